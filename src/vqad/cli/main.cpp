@@ -1,0 +1,31 @@
+// vqad: quantization-aware training and distillation of video diffusion
+// transformers to NVFP4. Entry point: parses the command line and runs one
+// subcommand; every vqad::Error becomes a one-line message and exit code 1.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <exception>
+
+#include "vqad/cli/commands.h"
+#include "vqad/core/error.h"
+#include "vqad/version.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "vqad - NVFP4 quantization-aware training and distillation for video diffusion "
+      "transformers (Wan2.1)"};
+  app.set_version_flag("--version", std::string("vqad ") + VQAD_VERSION);
+  app.require_subcommand(1);
+  vqad::cli::register_version_commands(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const vqad::Error& e) {
+    std::fprintf(stderr, "vqad: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "vqad: internal error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
