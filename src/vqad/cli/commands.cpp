@@ -10,6 +10,22 @@ std::map<CLI::App*, Action>& actions() {
 }
 }  // namespace
 
+CLI::App* op_command(CLI::App& app) {
+  for (CLI::App* sub : app.get_subcommands([](CLI::App* s) { return s->get_name() == "op"; }))
+    return sub;
+  CLI::App* op = app.add_subcommand("op", "Run single ops (attention, quantization) on safetensors files");
+  op->require_subcommand(1);
+  return op;
+}
+
+CLI::App* bench_command(CLI::App& app) {
+  for (CLI::App* sub : app.get_subcommands([](CLI::App* s) { return s->get_name() == "bench"; }))
+    return sub;
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks (GPU machine): table on stdout, JSON under --out");
+  bench->require_subcommand(1);
+  return bench;
+}
+
 void set_action(CLI::App* sub, Action action) {
   actions()[sub] = std::move(action);
   sub->callback([sub] {

@@ -13,5 +13,19 @@ void set_action(CLI::App* sub, Action action);
 
 // --- registration functions (one per module; add yours here and in main.cpp) ---
 void register_version_commands(CLI::App& app);
+void register_train_commands(CLI::App& app);
+void register_config_commands(CLI::App& app);
+void register_op_attention_commands(CLI::App& app);
+void register_nvfp4_commands(CLI::App& app);
+void register_bench_quant_commands(CLI::App& app);
+void register_bench_linear_commands(CLI::App& app);
+void register_bench_wan_commands(CLI::App& app);
+void register_data_commands(CLI::App& app);
+void register_bench_attention_commands(CLI::App& app);
+
+// The `vqad op` parent (op-level tools); created on first use, shared by modules.
+CLI::App* op_command(CLI::App& app);
+// The `vqad bench` parent (benchmarks on a GPU machine); created on first use, shared by modules.
+CLI::App* bench_command(CLI::App& app);
 
 }  // namespace vqad::cli

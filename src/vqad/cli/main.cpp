@@ -16,6 +16,15 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("vqad ") + VQAD_VERSION);
   app.require_subcommand(1);
   vqad::cli::register_version_commands(app);
+  vqad::cli::register_train_commands(app);
+  vqad::cli::register_config_commands(app);
+  vqad::cli::register_op_attention_commands(app);
+  vqad::cli::register_nvfp4_commands(app);
+  vqad::cli::register_bench_quant_commands(app);
+  vqad::cli::register_bench_linear_commands(app);
+  vqad::cli::register_bench_wan_commands(app);
+  vqad::cli::register_data_commands(app);
+  vqad::cli::register_bench_attention_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

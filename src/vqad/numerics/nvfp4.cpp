@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "vqad/core/error.h"
 
@@ -83,8 +84,11 @@ ScaleMode parse_scale_mode(const char* s, const char* what) {
 }
 
 float encode_scale_from_amax(float amax_value) {
-  const float a = amax_value > 1e-12f ? amax_value : 1e-12f;
-  return kGlobalAmaxTarget / a;
+  if (std::isnan(amax_value)) return amax_value;
+  const float a = amax_value > kAmaxFloor ? amax_value : kAmaxFloor;
+  // A reciprocal, then a multiply: the golden vectors (and torch's `2688 / t`)
+  // round this way, which differs from a true division by an ulp for ~30% of amaxes.
+  return (1.0f / a) * kGlobalAmaxTarget;
 }
 
 static BlockQuant quantize_n(const float* x, int valid, float s_enc) {
@@ -95,7 +99,9 @@ static BlockQuant quantize_n(const float* x, int valid, float s_enc) {
     if (std::isnan(x[i])) has_nan = true;
     amax_b = std::fmax(amax_b, std::fabs(x[i]));
   }
-  if (has_nan) {
+  const float s_dec = 1.0f / s_enc;
+  const float scaled = (amax_b / 6.0f) * s_enc;
+  if (has_nan || std::isnan(scaled)) {
     r.scale_bits = kE4M3NaN;
     for (int i = 0; i < valid; ++i) {
       r.codes[i] = static_cast<uint8_t>(7 | (std::signbit(x[i]) ? 8 : 0));
@@ -103,8 +109,6 @@ static BlockQuant quantize_n(const float* x, int valid, float s_enc) {
     }
     return r;
   }
-  const float s_dec = 1.0f / s_enc;
-  const float scaled = (amax_b / 6.0f) * s_enc;
   r.scale_bits = e4m3_encode_rn_satfinite(scaled);
   const float S = e4m3_decode(r.scale_bits);
   if (S == 0.0f) return r;  // zero block: codes 0, values +0
@@ -142,6 +146,97 @@ float amax(const float* x, size_t n) {
     m = std::fmax(m, std::fabs(x[i]));
   }
   return m;
+}
+
+void pack_codes(const uint8_t* codes, size_t n, uint8_t* packed) {
+  VQAD_CHECK(n % 2 == 0, "nvfp4::pack_codes: ", n, " codes, expected an even count");
+  for (size_t i = 0; i < n / 2; ++i) {
+    packed[i] = static_cast<uint8_t>((codes[2 * i] & 0xF) | ((codes[2 * i + 1] & 0xF) << 4));
+  }
+}
+
+void unpack_codes(const uint8_t* packed, size_t n, uint8_t* codes) {
+  VQAD_CHECK(n % 2 == 0, "nvfp4::unpack_codes: ", n, " codes, expected an even count");
+  for (size_t i = 0; i < n / 2; ++i) {
+    codes[2 * i] = packed[i] & 0xF;
+    codes[2 * i + 1] = packed[i] >> 4;
+  }
+}
+
+std::vector<uint8_t> pack_codes(const std::vector<uint8_t>& codes) {
+  std::vector<uint8_t> out(codes.size() / 2);
+  pack_codes(codes.data(), codes.size(), out.data());
+  return out;
+}
+
+std::vector<uint8_t> unpack_codes(const std::vector<uint8_t>& packed) {
+  std::vector<uint8_t> out(packed.size() * 2);
+  unpack_codes(packed.data(), out.size(), out.data());
+  return out;
+}
+
+static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+int64_t swizzled_scales_size(int64_t rows, int64_t scale_cols) {
+  return round_up(rows, kSwizzleRows) * round_up(scale_cols, kSwizzleCols);
+}
+
+int64_t swizzled_scale_offset(int64_t row, int64_t scale_col, int64_t scale_cols) {
+  const int64_t col_tiles = (scale_cols + kSwizzleCols - 1) / kSwizzleCols;
+  const int64_t tile = (row / 128) * col_tiles + scale_col / 4;
+  return tile * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + scale_col % 4;
+}
+
+void swizzle_scales(const uint8_t* linear, int64_t rows, int64_t scale_cols, uint8_t* swizzled) {
+  std::memset(swizzled, 0, static_cast<size_t>(swizzled_scales_size(rows, scale_cols)));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < scale_cols; ++c) {
+      swizzled[swizzled_scale_offset(r, c, scale_cols)] = linear[r * scale_cols + c];
+    }
+  }
+}
+
+void unswizzle_scales(const uint8_t* swizzled, int64_t rows, int64_t scale_cols, uint8_t* linear) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < scale_cols; ++c) {
+      linear[r * scale_cols + c] = swizzled[swizzled_scale_offset(r, c, scale_cols)];
+    }
+  }
+}
+
+QuantizedMatrix quantize_matrix(const float* x, int64_t rows, int64_t cols, float s_enc) {
+  VQAD_CHECK(rows >= 0 && cols >= 0 && cols % kBlock == 0, "nvfp4::quantize_matrix: shape [",
+             rows, ", ", cols, "]: the last dim must be a multiple of 16");
+  QuantizedMatrix q;
+  q.rows = rows;
+  q.cols = cols;
+  q.s_enc = s_enc;
+  const int64_t n = rows * cols;
+  const int64_t scale_cols = cols / kBlock;
+  q.codes.resize(static_cast<size_t>(n));
+  q.values.resize(static_cast<size_t>(n));
+  q.scales.resize(static_cast<size_t>(rows * scale_cols));
+  for (int64_t b = 0; b < rows * scale_cols; ++b) {
+    const BlockQuant bq = quantize_n(x + b * kBlock, kBlock, s_enc);
+    q.scales[b] = bq.scale_bits;
+    std::memcpy(q.codes.data() + b * kBlock, bq.codes, kBlock);
+    std::memcpy(q.values.data() + b * kBlock, bq.values, sizeof(bq.values));
+  }
+  q.scales_swizzled.resize(static_cast<size_t>(swizzled_scales_size(rows, scale_cols)));
+  swizzle_scales(q.scales.data(), rows, scale_cols, q.scales_swizzled.data());
+  return q;
+}
+
+void dequantize_matrix(const uint8_t* codes, const uint8_t* scales, int64_t rows, int64_t cols,
+                       float s_enc, float* y) {
+  VQAD_CHECK(rows >= 0 && cols >= 0 && cols % kBlock == 0, "nvfp4::dequantize_matrix: shape [",
+             rows, ", ", cols, "]: the last dim must be a multiple of 16");
+  const float s_dec = 1.0f / s_enc;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const float S = e4m3_decode(scales[i / kBlock]);
+    // A zero scale decodes to +0 even when s_dec is inf, as quantize_block does.
+    y[i] = S == 0.0f ? 0.0f : (e2m1_decode(codes[i]) * S) * s_dec;
+  }
 }
 
 }  // namespace vqad::nvfp4

@@ -1,0 +1,386 @@
+// `vqad bench attention`: the ATTN_QAT_TRAIN CUDA kernels (Q/K/V pre-pass + forward,
+// backward) against LibTorch SDPA with the cuDNN and the flash backends, side by side
+// in one run at the performance-spec shapes. Before timing, the kernels are checked
+// against the CPU reference at a small ragged shape. Prints a table and writes JSON.
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "vqad/cli/commands.h"
+#include "vqad/core/error.h"
+#include "vqad/numerics/attention_qat_ref.h"
+
+#ifdef VQAD_WITH_TORCH_CUDA
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_runtime_api.h>
+
+#include "vqad/kernels/attention/attention_qat.h"
+#include "vqad/kernels/attention/attention_qat_bwd.h"
+#endif
+
+namespace vqad::cli {
+namespace {
+
+struct AttentionBenchOptions {
+  std::vector<std::string> shapes = {"1,3,31200", "1,12,31200", "1,12,8192"};  // B,H,L (D = 128)
+  int warmup = 3;
+  int iters = 10;
+  bool backward = true;
+  std::string out_dir = "bench_out";
+};
+
+struct Shape {
+  int64_t b = 0, h = 0, l = 0;
+};
+
+Shape parse_shape(const std::string& s) {
+  Shape r;
+  char c1 = 0, c2 = 0;
+  std::istringstream is(s);
+  if (!(is >> r.b >> c1 >> r.h >> c2 >> r.l) || c1 != ',' || c2 != ',' || !is.eof() || r.b < 1 || r.h < 1 ||
+      r.l < 1)
+    fail("bench attention: --shape '", s, "' must be B,H,L with positive integers, e.g. 1,3,31200");
+  return r;
+}
+
+#ifdef VQAD_WITH_TORCH_CUDA
+namespace ka = vqad::kernels::attention;
+namespace ref = vqad::attn_qat_ref;
+constexpr int64_t kD = ka::kAttnQatHeadDim;
+
+template <class Fn>
+double time_ms(Fn&& fn, int warmup, int iters) {
+  cudaStream_t s = at::cuda::getCurrentCUDAStream().stream();
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t start, stop;
+  VQAD_CHECK(cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess,
+             "bench attention: cudaEventCreate failed");
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    cudaEventRecord(start, s);
+    fn();
+    cudaEventRecord(stop, s);
+    VQAD_CHECK(cudaEventSynchronize(stop) == cudaSuccess, "bench attention: cudaEventSynchronize failed");
+    float t = 0.0f;
+    cudaEventElapsedTime(&t, start, stop);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+ka::BlhdStrides strides_of(const torch::Tensor& t) {
+  return ka::BlhdStrides{t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+// The vqad QAT attention on one set of BLHD bf16 CUDA tensors: pre-pass buffers,
+// forward outputs and backward gradients, allocated once and reused by every call.
+struct QatRun {
+  torch::Tensor q, k, v, d_out;                   // inputs
+  torch::Tensor qh, kh, vh, o, o_hp, m, l;        // pre-pass + forward
+  torch::Tensor dq, dk, dv, workspace;            // backward
+  ka::FakeQuantQkvParams fq;
+  ka::AttnQatFwdParams fwd;
+  vqad::kernels::AttnQatBwdParams bwd;
+
+  QatRun(const torch::Tensor& q_, const torch::Tensor& k_, const torch::Tensor& v_, const torch::Tensor& do_)
+      : q(q_), k(k_), v(v_), d_out(do_) {
+    const int64_t B = q.size(0), Lq = q.size(1), H = q.size(2), Lkv = k.size(1);
+    qh = torch::empty_like(q, torch::MemoryFormat::Contiguous);
+    kh = torch::empty_like(k, torch::MemoryFormat::Contiguous);
+    vh = torch::empty_like(v, torch::MemoryFormat::Contiguous);
+    o = torch::empty_like(qh);
+    o_hp = torch::empty_like(qh);
+    const auto f32 = q.options().dtype(torch::kFloat32);
+    m = torch::empty({B, H, Lq}, f32);
+    l = torch::empty({B, H, Lq}, f32);
+    fq.q = q.data_ptr(), fq.k = k.data_ptr(), fq.v = v.data_ptr();
+    fq.q_stride = strides_of(q), fq.k_stride = strides_of(k), fq.v_stride = strides_of(v);
+    fq.q_out = qh.data_ptr(), fq.k_out = kh.data_ptr(), fq.v_out = vh.data_ptr();
+    fq.batch = static_cast<int>(B), fq.heads = static_cast<int>(H);
+    fq.len_q = static_cast<int>(Lq), fq.len_kv = static_cast<int>(Lkv), fq.head_dim = static_cast<int>(kD);
+    fwd.q = qh.data_ptr(), fwd.k = kh.data_ptr(), fwd.v = vh.data_ptr();
+    fwd.q_stride = strides_of(qh), fwd.k_stride = strides_of(kh), fwd.v_stride = strides_of(vh);
+    fwd.o = o.data_ptr(), fwd.o_hp = o_hp.data_ptr();
+    fwd.o_stride = strides_of(o), fwd.o_hp_stride = strides_of(o_hp);
+    fwd.m = m.data_ptr<float>(), fwd.l = l.data_ptr<float>();
+    fwd.batch = fq.batch, fwd.heads = fq.heads, fwd.len_q = fq.len_q, fwd.len_kv = fq.len_kv;
+    fwd.head_dim = fq.head_dim;
+    fwd.quant_p = true;
+  }
+  cudaStream_t stream() const { return at::cuda::getCurrentCUDAStream().stream(); }
+  void prepass() { ka::launch_fake_quant_qkv(fq, stream()); }
+  void forward() { ka::launch_attn_qat_fwd(fwd, stream()); }
+
+  void setup_backward() {
+    dq = torch::empty_like(q, torch::MemoryFormat::Contiguous);
+    dk = torch::empty_like(k, torch::MemoryFormat::Contiguous);
+    dv = torch::empty_like(v, torch::MemoryFormat::Contiguous);
+    bwd.batch = fwd.batch, bwd.heads = fwd.heads, bwd.len_q = fwd.len_q, bwd.len_kv = fwd.len_kv;
+    bwd.head_dim = fwd.head_dim;
+    bwd.p_mode = vqad::kernels::AttnQatBwdPMode::kConsistent;
+    auto in = [](const torch::Tensor& t) {
+      return vqad::kernels::AttnQatBwdTensor{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+    };
+    auto out = [](torch::Tensor& t) {
+      return vqad::kernels::AttnQatBwdOutTensor{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+    };
+    bwd.q_hat = in(qh), bwd.k_hat = in(kh), bwd.v_hat = in(vh);
+    bwd.d_out = in(d_out), bwd.o_hp = in(o_hp);
+    bwd.m = m.data_ptr<float>(), bwd.l = l.data_ptr<float>();
+    bwd.d_q = out(dq), bwd.d_k = out(dk), bwd.d_v = out(dv);
+    const size_t ws = vqad::kernels::attn_qat_bwd_workspace_bytes(bwd);
+    workspace = torch::empty({static_cast<int64_t>(std::max<size_t>(ws, 16))}, q.options().dtype(torch::kUInt8));
+    bwd.workspace = workspace.data_ptr();
+  }
+  void backward() { vqad::kernels::launch_attn_qat_bwd(bwd, stream()); }
+};
+
+double rel_l2(const torch::Tensor& got, const torch::Tensor& want) {
+  const torch::Tensor g = got.to(torch::kCPU, torch::kFloat64), w = want.to(torch::kFloat64);
+  return ((g - w).norm() / w.norm().clamp_min(1e-30)).item<double>();
+}
+
+ref::ConstView cview(const torch::Tensor& t) { return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)}; }
+ref::View view(torch::Tensor& t) { return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)}; }
+
+// Kernels vs the CPU reference at a ragged cross-attention shape (Lq, Lkv not tile
+// multiples). Throws when the forward is off; the backward result is reported and
+// decides whether the backward is timed.
+nlohmann::json check_against_reference(bool with_backward, bool* backward_ok) {
+  const int64_t B = 1, H = 2, Lq = 1000, Lkv = 777;
+  const auto bf = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const torch::Tensor q = torch::randn({B, Lq, H, kD}, bf), k = torch::randn({B, Lkv, H, kD}, bf),
+                      v = torch::randn({B, Lkv, H, kD}, bf), d_out = torch::randn({B, Lq, H, kD}, bf);
+  QatRun run(q, k, v, d_out);
+  run.o.fill_(NAN);
+  run.o_hp.fill_(NAN);
+  run.prepass();
+  run.forward();
+  auto cpu = [](const torch::Tensor& t) { return t.to(torch::kCPU, torch::kFloat32).contiguous(); };
+  torch::Tensor qc = cpu(q), kc = cpu(k), vc = cpu(v), dc = cpu(d_out);
+  ref::Dims dims{B, Lq, Lkv, H, kD};
+  ref::Options opts;
+  opts.block_n = ka::kAttnQatBlockN;
+  torch::Tensor ro = torch::empty_like(qc), rohp = torch::empty_like(qc);
+  torch::Tensor rm = torch::empty({B, H, Lq}), rl = torch::empty({B, H, Lq});
+  ref::forward(dims, cview(qc), cview(kc), cview(vc), opts, view(ro), view(rohp), rm.data_ptr<float>(),
+               rl.data_ptr<float>());
+  nlohmann::json j = {{"shape", {B, H, Lq, Lkv, kD}}, {"block_n", ka::kAttnQatBlockN}};
+  j["fwd_o_rel_l2"] = rel_l2(run.o, ro);
+  j["fwd_o_hp_rel_l2"] = rel_l2(run.o_hp, rohp);
+  j["fwd_m_max_abs"] = (run.m.cpu() - rm).abs().max().item<double>();
+  j["fwd_l_max_rel"] = ((run.l.cpu() - rl).abs() / rl).max().item<double>();
+  VQAD_CHECK(j["fwd_o_rel_l2"].get<double>() <= 1e-2 && j["fwd_o_hp_rel_l2"].get<double>() <= 1e-2 &&
+                 j["fwd_m_max_abs"].get<double>() <= 1e-3 && j["fwd_l_max_rel"].get<double>() <= 1e-3,
+             "bench attention: forward kernel disagrees with the CPU reference at B=1 H=2 Lq=1000 Lkv=777: ",
+             j.dump());
+  *backward_ok = false;
+  if (with_backward) {
+    try {
+      run.setup_backward();
+      run.backward();
+      torch::Tensor rdq = torch::empty_like(qc), rdk = torch::empty_like(kc), rdv = torch::empty_like(vc);
+      ref::backward(dims, cview(qc), cview(kc), cview(vc), cview(rohp), cview(dc), rm.data_ptr<float>(),
+                    rl.data_ptr<float>(), opts, view(rdq), view(rdk), view(rdv));
+      j["bwd_dq_rel_l2"] = rel_l2(run.dq, rdq);
+      j["bwd_dk_rel_l2"] = rel_l2(run.dk, rdk);
+      j["bwd_dv_rel_l2"] = rel_l2(run.dv, rdv);
+      *backward_ok = j["bwd_dq_rel_l2"].get<double>() <= 1e-2 && j["bwd_dk_rel_l2"].get<double>() <= 1e-2 &&
+                     j["bwd_dv_rel_l2"].get<double>() <= 1e-2;
+    } catch (const std::exception& e) {
+      j["bwd_error"] = e.what();
+    }
+  }
+  j["bwd_ok"] = *backward_ok;
+  return j;
+}
+
+// SDPA backend selection through the global SDP toggles, restored on scope exit.
+struct SdpBackendScope {
+  bool flash, mem, math, cudnn;
+  SdpBackendScope(bool use_flash, bool use_cudnn) {
+    auto& c = at::globalContext();
+    flash = c.userEnabledFlashSDP(), mem = c.userEnabledMemEfficientSDP(), math = c.userEnabledMathSDP();
+    cudnn = c.userEnabledCuDNNSDP();
+    c.setSDPUseFlash(use_flash);
+    c.setSDPUseMemEfficient(false);
+    c.setSDPUseMath(false);
+    c.setSDPUseCuDNN(use_cudnn);
+  }
+  ~SdpBackendScope() {
+    auto& c = at::globalContext();
+    c.setSDPUseFlash(flash);
+    c.setSDPUseMemEfficient(mem);
+    c.setSDPUseMath(math);
+    c.setSDPUseCuDNN(cudnn);
+  }
+};
+
+// SDPA forward and backward times for one backend on BHLD tensors (its native layout).
+void bench_sdpa(const char* name, bool use_flash, bool use_cudnn, const torch::Tensor& q, const torch::Tensor& k,
+                const torch::Tensor& v, const torch::Tensor& d_out, const AttentionBenchOptions& o,
+                nlohmann::json& r) {
+  SdpBackendScope scope(use_flash, use_cudnn);
+  try {
+    torch::NoGradGuard no_grad;
+    r[std::string(name) + "_fwd_ms"] =
+        time_ms([&] { at::scaled_dot_product_attention(q, k, v); }, o.warmup, o.iters);
+  } catch (const std::exception& e) {
+    r[std::string(name) + "_error"] = std::string(e.what()).substr(0, 200);
+    return;
+  }
+  if (!o.backward) return;
+  try {
+    torch::Tensor qg = q.detach().requires_grad_(true), kg = k.detach().requires_grad_(true),
+                  vg = v.detach().requires_grad_(true);
+    torch::Tensor out = at::scaled_dot_product_attention(qg, kg, vg);
+    r[std::string(name) + "_bwd_ms"] = time_ms(
+        [&] {
+          qg.mutable_grad() = torch::Tensor();
+          kg.mutable_grad() = torch::Tensor();
+          vg.mutable_grad() = torch::Tensor();
+          torch::autograd::backward({out}, {d_out}, /*retain_graph=*/true);
+        },
+        o.warmup, o.iters);
+  } catch (const std::exception& e) {
+    r[std::string(name) + "_bwd_error"] = std::string(e.what()).substr(0, 200);
+  }
+}
+
+nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenchOptions& o) {
+  const auto bf = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const torch::Tensor q = torch::randn({s.b, s.l, s.h, kD}, bf), k = torch::randn({s.b, s.l, s.h, kD}, bf),
+                      v = torch::randn({s.b, s.l, s.h, kD}, bf), d_out = torch::randn({s.b, s.l, s.h, kD}, bf);
+  const double flops = 4.0 * s.b * s.h * static_cast<double>(s.l) * s.l * kD;
+  nlohmann::json r = {{"B", s.b}, {"H", s.h}, {"L", s.l}, {"D", kD}, {"fwd_flops", flops}, {"bwd_flops", 2.5 * flops}};
+  QatRun run(q, k, v, d_out);
+  r["vqad_prepass_ms"] = time_ms([&] { run.prepass(); }, o.warmup, o.iters);
+  r["vqad_qat_fwd_kernel_ms"] = time_ms([&] { run.forward(); }, o.warmup, o.iters);
+  r["vqad_qat_fwd_ms"] = time_ms(
+      [&] {
+        run.prepass();
+        run.forward();
+      },
+      o.warmup, o.iters);
+  {  // quantization off on the raw inputs: the kernel as a plain BF16 flash attention
+    ka::AttnQatFwdParams plain = run.fwd;
+    plain.q = q.data_ptr(), plain.k = k.data_ptr(), plain.v = v.data_ptr();
+    plain.q_stride = strides_of(q), plain.k_stride = strides_of(k), plain.v_stride = strides_of(v);
+    plain.quant_p = false;
+    r["vqad_bf16_fwd_ms"] = time_ms([&] { ka::launch_attn_qat_fwd(plain, run.stream()); }, o.warmup, o.iters);
+  }
+  if (o.backward && backward_ok) {
+    run.prepass();
+    run.forward();
+    run.setup_backward();
+    r["vqad_qat_bwd_ms"] = time_ms([&] { run.backward(); }, o.warmup, o.iters);
+  }
+  const torch::Tensor qt = q.transpose(1, 2).contiguous(), kt = k.transpose(1, 2).contiguous(),
+                      vt = v.transpose(1, 2).contiguous(), dt = d_out.transpose(1, 2).contiguous();
+  bench_sdpa("cudnn", false, true, qt, kt, vt, dt, o, r);
+  bench_sdpa("flash", true, false, qt, kt, vt, dt, o, r);
+  for (const char* key : {"vqad_qat_fwd", "vqad_bf16_fwd", "cudnn_fwd", "flash_fwd"})
+    if (r.contains(std::string(key) + "_ms"))
+      r[std::string(key) + "_tflops"] = flops / (r[std::string(key) + "_ms"].get<double>() * 1e9);
+  for (const char* key : {"vqad_qat_bwd", "cudnn_bwd", "flash_bwd"})
+    if (r.contains(std::string(key) + "_ms"))
+      r[std::string(key) + "_tflops"] = 2.5 * flops / (r[std::string(key) + "_ms"].get<double>() * 1e9);
+  for (const char* dir : {"fwd", "bwd"})
+    for (const char* peer : {"cudnn", "flash"}) {
+      const std::string mine = std::string("vqad_qat_") + dir + "_ms", theirs = std::string(peer) + "_" + dir + "_ms";
+      if (r.contains(mine) && r.contains(theirs))
+        r[std::string("ratio_") + dir + "_vs_" + peer] = r[mine].get<double>() / r[theirs].get<double>();
+    }
+  return r;
+}
+
+std::string cell(const nlohmann::json& r, const std::string& key) {
+  if (!r.contains(key)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.3f", r[key].get<double>());
+  return buf;
+}
+
+int run_attention_bench(const AttentionBenchOptions& o) {
+  VQAD_CHECK(torch::cuda::is_available(), "bench attention: needs a CUDA GPU, none is visible");
+  VQAD_CHECK(o.iters >= 1 && o.warmup >= 0, "bench attention: need --iters >= 1 and --warmup >= 0");
+  std::vector<Shape> shapes;
+  for (const std::string& s : o.shapes) shapes.push_back(parse_shape(s));
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, at::cuda::current_device());
+  std::printf("vqad bench attention on %s (sm_%d%d), D=%lld, BLOCK_N=%d, median of %d after %d warm-up\n", prop.name,
+              prop.major, prop.minor, static_cast<long long>(kD), ka::kAttnQatBlockN, o.iters, o.warmup);
+  bool backward_ok = false;
+  const nlohmann::json check = check_against_reference(o.backward, &backward_ok);
+  std::printf("check vs CPU reference (1,2,1000x777): %s\n", check.dump().c_str());
+  if (o.backward && !backward_ok) std::printf("backward not timed: it failed the reference check\n");
+  std::printf("%-12s | %9s %9s %9s %9s %7s %7s | %9s %9s %9s %7s %7s\n", "B,H,L", "qat fwd", "bf16 fwd",
+              "cudnn fwd", "flash fwd", "/cudnn", "/flash", "qat bwd", "cudnn bwd", "flash bwd", "/cudnn", "/flash");
+  nlohmann::json results = nlohmann::json::array();
+  for (const Shape& s : shapes) {
+    nlohmann::json r = bench_shape(s, backward_ok, o);
+    char name[48];
+    std::snprintf(name, sizeof(name), "%lld,%lld,%lld", (long long)s.b, (long long)s.h, (long long)s.l);
+    std::printf("%-12s | %9s %9s %9s %9s %7s %7s | %9s %9s %9s %7s %7s\n", name, cell(r, "vqad_qat_fwd_ms").c_str(),
+                cell(r, "vqad_bf16_fwd_ms").c_str(), cell(r, "cudnn_fwd_ms").c_str(), cell(r, "flash_fwd_ms").c_str(),
+                cell(r, "ratio_fwd_vs_cudnn").c_str(), cell(r, "ratio_fwd_vs_flash").c_str(),
+                cell(r, "vqad_qat_bwd_ms").c_str(), cell(r, "cudnn_bwd_ms").c_str(), cell(r, "flash_bwd_ms").c_str(),
+                cell(r, "ratio_bwd_vs_cudnn").c_str(), cell(r, "ratio_bwd_vs_flash").c_str());
+    std::printf("%-12s | TFLOP/s: qat fwd %s, bf16 fwd %s, cudnn fwd %s, flash fwd %s, qat bwd %s; pre-pass %s ms\n",
+                "", cell(r, "vqad_qat_fwd_tflops").c_str(), cell(r, "vqad_bf16_fwd_tflops").c_str(),
+                cell(r, "cudnn_fwd_tflops").c_str(), cell(r, "flash_fwd_tflops").c_str(),
+                cell(r, "vqad_qat_bwd_tflops").c_str(), cell(r, "vqad_prepass_ms").c_str());
+    results.push_back(std::move(r));
+  }
+  std::filesystem::create_directories(o.out_dir);
+  const std::string path = o.out_dir + "/bench_attention.json";
+  std::ofstream(path) << nlohmann::json{{"bench", "attention"},
+                                        {"device", prop.name},
+                                        {"sm", prop.major * 10 + prop.minor},
+                                        {"block_n", ka::kAttnQatBlockN},
+                                        {"warmup", o.warmup},
+                                        {"iters", o.iters},
+                                        {"statistic", "median"},
+                                        {"check", check},
+                                        {"results", results}}
+                             .dump(2)
+                      << "\n";
+  std::printf("wrote %s\n", path.c_str());
+  return 0;
+}
+#else
+int run_attention_bench(const AttentionBenchOptions& o) {
+  for (const std::string& s : o.shapes) parse_shape(s);  // bad input is reported first
+  fail("bench attention: this build has no LibTorch CUDA (configure on a GPU machine)");
+}
+#endif
+
+}  // namespace
+
+void register_bench_attention_commands(CLI::App& app) {
+  CLI::App* bench = bench_command(app);
+  auto opts = std::make_shared<AttentionBenchOptions>();
+  CLI::App* sub = bench->add_subcommand(
+      "attention", "ATTN_QAT_TRAIN CUDA kernels vs LibTorch SDPA (cuDNN, flash), forward and backward");
+  sub->add_option("--shape", opts->shapes, "B,H,L (D = 128), repeatable")->capture_default_str();
+  sub->add_option("--warmup", opts->warmup, "warm-up calls")->capture_default_str();
+  sub->add_option("--iters", opts->iters, "timed calls (median reported)")->capture_default_str();
+  sub->add_flag("!--no-backward", opts->backward, "skip the backward timings");
+  sub->add_option("--out", opts->out_dir, "directory for bench_attention.json")->capture_default_str();
+  set_action(sub, [opts] { return run_attention_bench(*opts); });
+}
+
+}  // namespace vqad::cli

@@ -1,0 +1,320 @@
+// Standalone playground for the ATTN_QAT_TRAIN forward: checks the Q/K/V pre-pass
+// bit for bit against nvfp4::fake_quantize and the forward kernel against the CPU
+// reference (at the kernel's BLOCK_N) at small shapes, then times both at the
+// benchmark shapes. One nvcc command on a GPU machine:
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc \
+//     bench/playground/attn_fwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_fwd_sm90.cu \
+//     src/vqad/kernels/attention/fake_quant_qkv.cu src/vqad/kernels/common/device.cu \
+//     src/vqad/numerics/attention_qat_ref.cpp src/vqad/numerics/nvfp4.cpp -o /tmp/attn_fwd_pg
+//   /tmp/attn_fwd_pg [check] [time]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "vqad/kernels/attention/attention_qat.h"
+#include "vqad/kernels/common/cuda_check.h"
+#include "vqad/numerics/attention_qat_ref.h"
+#include "vqad/numerics/nvfp4.h"
+
+namespace ref = vqad::attn_qat_ref;
+namespace ka = vqad::kernels::attention;
+
+namespace {
+
+constexpr int kD = ka::kAttnQatHeadDim;
+
+uint16_t to_bf16_bits(float x) {
+  const float r = ref::bf16_round(x);
+  uint32_t u;
+  std::memcpy(&u, &r, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+float from_bf16_bits(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+T* dev_alloc(size_t n, uint8_t fill) {
+  T* p = nullptr;
+  VQAD_CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
+  VQAD_CUDA_CHECK(cudaMemset(p, fill, n * sizeof(T)));
+  return p;
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+struct CaseResult {
+  double o = 0, o_hp = 0, m_abs = 0, l_rel = 0;
+  long nonfinite = 0;
+  bool prepass_exact = true;
+};
+
+// Self-attention cases read Q, K, V out of one packed [B, L, 3, H, D] buffer (the
+// layout of a fused QKV projection), cross cases use separate tensors; both go
+// through the pre-pass and the forward exactly as the op will call them.
+CaseResult run_case(int B, int H, int Lq, int Lkv, bool quant_p, bool quant_qkv, float input_scale,
+                    uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, input_scale);
+  const bool packed = Lq == Lkv;
+  const int64_t row = static_cast<int64_t>(H) * kD;
+  std::vector<float> q(static_cast<size_t>(B) * Lq * row), k(static_cast<size_t>(B) * Lkv * row),
+      v(static_cast<size_t>(B) * Lkv * row);
+  for (auto* t : {&q, &k, &v})
+    for (float& x : *t) x = ref::bf16_round(nd(rng));
+
+  // device inputs
+  ka::FakeQuantQkvParams fq;
+  fq.batch = B, fq.heads = H, fq.len_q = Lq, fq.len_kv = Lkv, fq.head_dim = kD;
+  fq.quant_qk = quant_qkv, fq.quant_v = quant_qkv;
+  std::vector<uint16_t*> to_free;
+  if (packed) {
+    std::vector<uint16_t> h(static_cast<size_t>(B) * Lq * 3 * row);
+    for (int b = 0; b < B; ++b)
+      for (int l = 0; l < Lq; ++l)
+        for (int w = 0; w < 3; ++w)
+          for (int i = 0; i < row; ++i) {
+            const std::vector<float>& src = w == 0 ? q : (w == 1 ? k : v);
+            h[((static_cast<size_t>(b) * Lq + l) * 3 + w) * row + i] = to_bf16_bits(src[(static_cast<size_t>(b) * Lq + l) * row + i]);
+          }
+    uint16_t* d = dev_alloc<uint16_t>(h.size(), 0);
+    VQAD_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    to_free.push_back(d);
+    const ka::BlhdStrides s{static_cast<int64_t>(Lq) * 3 * row, 3 * row, kD, 1};
+    fq.q = d, fq.k = d + row, fq.v = d + 2 * row;
+    fq.q_stride = fq.k_stride = fq.v_stride = s;
+  } else {
+    const std::vector<float>* srcs[3] = {&q, &k, &v};
+    const void** dsts[3] = {&fq.q, &fq.k, &fq.v};
+    for (int w = 0; w < 3; ++w) {
+      std::vector<uint16_t> h(srcs[w]->size());
+      for (size_t i = 0; i < h.size(); ++i) h[i] = to_bf16_bits((*srcs[w])[i]);
+      uint16_t* d = dev_alloc<uint16_t>(h.size(), 0);
+      VQAD_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+      to_free.push_back(d);
+      *dsts[w] = d;
+    }
+    fq.q_stride = ka::contiguous_blhd(Lq, H, kD);
+    fq.k_stride = fq.v_stride = ka::contiguous_blhd(Lkv, H, kD);
+  }
+  uint16_t* qh = dev_alloc<uint16_t>(q.size(), 0xFF);  // NaN-poisoned
+  uint16_t* kh = dev_alloc<uint16_t>(k.size(), 0xFF);
+  uint16_t* vh = dev_alloc<uint16_t>(v.size(), 0xFF);
+  fq.q_out = qh, fq.k_out = kh, fq.v_out = vh;
+  ka::launch_fake_quant_qkv(fq, nullptr);
+
+  CaseResult r;
+  // pre-pass vs nvfp4::fake_quantize, bit for bit
+  {
+    const std::vector<float>* srcs[3] = {&q, &k, &v};
+    uint16_t* outs[3] = {qh, kh, vh};
+    for (int w = 0; w < 3; ++w) {
+      std::vector<uint16_t> got(srcs[w]->size());
+      VQAD_CUDA_CHECK(cudaMemcpy(got.data(), outs[w], got.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<float> want(*srcs[w]);
+      if (quant_qkv) vqad::nvfp4::fake_quantize(want.data(), want.data(), want.size(), 1.0f);
+      for (size_t i = 0; i < got.size(); ++i)
+        if (got[i] != to_bf16_bits(want[i])) {
+          if (r.prepass_exact)
+            std::printf("  pre-pass mismatch tensor %d elem %zu: got %g want %g\n", w, i, from_bf16_bits(got[i]),
+                        want[i]);
+          r.prepass_exact = false;
+        }
+    }
+  }
+
+  uint16_t* o = dev_alloc<uint16_t>(q.size(), 0xFF);
+  uint16_t* ohp = dev_alloc<uint16_t>(q.size(), 0xFF);
+  const size_t nstat = static_cast<size_t>(B) * H * Lq;
+  float* m = dev_alloc<float>(nstat, 0xFF);
+  float* l = dev_alloc<float>(nstat, 0xFF);
+  ka::AttnQatFwdParams fp;
+  fp.q = qh, fp.k = kh, fp.v = vh;
+  fp.q_stride = ka::contiguous_blhd(Lq, H, kD);
+  fp.k_stride = fp.v_stride = ka::contiguous_blhd(Lkv, H, kD);
+  fp.o = o, fp.o_hp = ohp, fp.o_stride = fp.o_hp_stride = ka::contiguous_blhd(Lq, H, kD);
+  fp.m = m, fp.l = l;
+  fp.batch = B, fp.heads = H, fp.len_q = Lq, fp.len_kv = Lkv, fp.head_dim = kD;
+  fp.quant_p = quant_p;
+  ka::launch_attn_qat_fwd(fp, nullptr);
+  VQAD_CUDA_CHECK(cudaDeviceSynchronize());
+
+  std::vector<uint16_t> ho(q.size()), hohp(q.size());
+  std::vector<float> hm(nstat), hl(nstat);
+  VQAD_CUDA_CHECK(cudaMemcpy(ho.data(), o, ho.size() * 2, cudaMemcpyDeviceToHost));
+  VQAD_CUDA_CHECK(cudaMemcpy(hohp.data(), ohp, hohp.size() * 2, cudaMemcpyDeviceToHost));
+  VQAD_CUDA_CHECK(cudaMemcpy(hm.data(), m, nstat * 4, cudaMemcpyDeviceToHost));
+  VQAD_CUDA_CHECK(cudaMemcpy(hl.data(), l, nstat * 4, cudaMemcpyDeviceToHost));
+
+  ref::Dims dims{B, Lq, Lkv, H, kD};
+  ref::Options opts;
+  opts.block_n = ka::kAttnQatBlockN;
+  opts.quant_p = quant_p;
+  opts.quant_qk = opts.quant_v = quant_qkv;
+  std::vector<float> ro(q.size()), rohp(q.size()), rm(nstat), rl(nstat);
+  ref::forward(dims, ref::contiguous_view(q.data(), Lq, H, kD), ref::contiguous_view(k.data(), Lkv, H, kD),
+               ref::contiguous_view(v.data(), Lkv, H, kD), opts, ref::contiguous_view(ro.data(), Lq, H, kD),
+               ref::contiguous_view(rohp.data(), Lq, H, kD), rm.data(), rl.data());
+
+  std::vector<float> fo(q.size()), fohp(q.size());
+  for (size_t i = 0; i < fo.size(); ++i) {
+    fo[i] = from_bf16_bits(ho[i]);
+    fohp[i] = from_bf16_bits(hohp[i]);
+    if (!std::isfinite(fo[i]) || !std::isfinite(fohp[i])) ++r.nonfinite;
+  }
+  for (size_t i = 0; i < nstat; ++i) {
+    if (!std::isfinite(hm[i]) || !std::isfinite(hl[i])) ++r.nonfinite;
+    r.m_abs = std::max(r.m_abs, static_cast<double>(std::fabs(hm[i] - rm[i])));
+    r.l_rel = std::max(r.l_rel, static_cast<double>(std::fabs(hl[i] - rl[i]) / rl[i]));
+  }
+  r.o = rel_l2(fo, ro);
+  r.o_hp = rel_l2(fohp, rohp);
+  for (void* ptr : std::vector<void*>{qh, kh, vh, o, ohp, m, l}) VQAD_CUDA_CHECK(cudaFree(ptr));
+  for (uint16_t* ptr : to_free) VQAD_CUDA_CHECK(cudaFree(ptr));
+  return r;
+}
+
+int check() {
+  struct C {
+    int B, H, Lq, Lkv;
+    bool quant_p, quant_qkv;
+    float scale;
+  };
+  const C cases[] = {
+      {1, 2, 256, 256, true, true, 1.0f},   {1, 2, 1000, 777, true, true, 1.0f},
+      {2, 3, 333, 1100, true, true, 1.0f},  {1, 2, 777, 1000, true, true, 3.0f},
+      {1, 1, 1, 17, true, true, 1.0f},      {1, 2, 1000, 777, false, true, 1.0f},
+      {1, 2, 1000, 777, false, false, 1.0f}, {1, 2, 4096, 4096, true, true, 1.0f},
+  };
+  int failures = 0;
+  uint32_t seed = 1234;
+  std::printf("%-24s %-8s %-6s %10s %10s %10s %10s %5s %s\n", "shape B,H,Lq,Lkv", "quant_p", "qkv", "O relL2",
+              "Ohp relL2", "m maxabs", "l maxrel", "nan", "pre-pass");
+  for (const C& c : cases) {
+    const CaseResult r = run_case(c.B, c.H, c.Lq, c.Lkv, c.quant_p, c.quant_qkv, c.scale, seed++);
+    const bool ok = r.o <= 1e-2 && r.o_hp <= 1e-2 && r.m_abs <= 1e-3 && r.l_rel <= 1e-3 && r.nonfinite == 0 &&
+                    r.prepass_exact;
+    failures += ok ? 0 : 1;
+    char shape[64];
+    std::snprintf(shape, sizeof(shape), "%d,%d,%d,%d x%.0f", c.B, c.H, c.Lq, c.Lkv, c.scale);
+    std::printf("%-24s %-8s %-6s %10.3e %10.3e %10.3e %10.3e %5ld %s %s\n", shape, c.quant_p ? "on" : "off",
+                c.quant_qkv ? "on" : "off", r.o, r.o_hp, r.m_abs, r.l_rel, r.nonfinite,
+                r.prepass_exact ? "exact" : "MISMATCH", ok ? "ok" : "FAIL");
+  }
+  std::printf("check: %d failure(s)\n", failures);
+  return failures;
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void time_shapes() {
+  struct S {
+    int B, H, L;
+  };
+  const S shapes[] = {{1, 3, 31200}, {1, 12, 31200}, {1, 12, 8192}};
+  std::printf("\n%-18s %-10s %10s %10s %12s\n", "shape B,H,L", "kernel", "ms", "TFLOP/s", "GB/s");
+  for (const S& s : shapes) {
+    const size_t n = static_cast<size_t>(s.B) * s.L * s.H * kD;
+    std::vector<uint16_t> h(n);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    uint16_t* in[3];
+    for (int w = 0; w < 3; ++w) {
+      for (auto& x : h) x = to_bf16_bits(nd(rng));
+      in[w] = dev_alloc<uint16_t>(n, 0);
+      VQAD_CUDA_CHECK(cudaMemcpy(in[w], h.data(), n * 2, cudaMemcpyHostToDevice));
+    }
+    uint16_t* hat[3];
+    for (auto& p : hat) p = dev_alloc<uint16_t>(n, 0);
+    uint16_t* o = dev_alloc<uint16_t>(n, 0);
+    uint16_t* ohp = dev_alloc<uint16_t>(n, 0);
+    float* m = dev_alloc<float>(static_cast<size_t>(s.B) * s.H * s.L, 0);
+    float* l = dev_alloc<float>(static_cast<size_t>(s.B) * s.H * s.L, 0);
+    const ka::BlhdStrides cs = ka::contiguous_blhd(s.L, s.H, kD);
+    ka::FakeQuantQkvParams fq;
+    fq.q = in[0], fq.k = in[1], fq.v = in[2];
+    fq.q_stride = fq.k_stride = fq.v_stride = cs;
+    fq.q_out = hat[0], fq.k_out = hat[1], fq.v_out = hat[2];
+    fq.batch = s.B, fq.heads = s.H, fq.len_q = fq.len_kv = s.L, fq.head_dim = kD;
+    ka::AttnQatFwdParams fp;
+    fp.q = hat[0], fp.k = hat[1], fp.v = hat[2];
+    fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = fp.o_hp_stride = cs;
+    fp.o = o, fp.o_hp = ohp, fp.m = m, fp.l = l;
+    fp.batch = s.B, fp.heads = s.H, fp.len_q = fp.len_kv = s.L, fp.head_dim = kD;
+
+    cudaEvent_t e0, e1;
+    VQAD_CUDA_CHECK(cudaEventCreate(&e0));
+    VQAD_CUDA_CHECK(cudaEventCreate(&e1));
+    auto time = [&](auto&& fn) {
+      for (int i = 0; i < 3; ++i) fn();
+      std::vector<float> ms;
+      for (int i = 0; i < 10; ++i) {
+        VQAD_CUDA_CHECK(cudaEventRecord(e0));
+        fn();
+        VQAD_CUDA_CHECK(cudaEventRecord(e1));
+        VQAD_CUDA_CHECK(cudaEventSynchronize(e1));
+        float t = 0;
+        VQAD_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+        ms.push_back(t);
+      }
+      return median(ms);
+    };
+    const double flops = 4.0 * s.B * s.H * static_cast<double>(s.L) * s.L * kD;
+    char shape[48];
+    std::snprintf(shape, sizeof(shape), "%d,%d,%d", s.B, s.H, s.L);
+    const float t_pre = time([&] { ka::launch_fake_quant_qkv(fq, nullptr); });
+    std::printf("%-18s %-10s %10.3f %10s %12.0f\n", shape, "prepass", t_pre, "-", 6.0 * n * 2 / (t_pre * 1e6));
+    fp.quant_p = true;
+    const float t_q = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
+    std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "fwd_qat", t_q, flops / (t_q * 1e9));
+    fp.quant_p = false;
+    const float t_b = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
+    std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "fwd_bf16", t_b, flops / (t_b * 1e9));
+    std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "pre+qat", t_pre + t_q, flops / ((t_pre + t_q) * 1e9));
+    VQAD_CUDA_CHECK(cudaEventDestroy(e0));
+    VQAD_CUDA_CHECK(cudaEventDestroy(e1));
+    for (void* ptr : std::vector<void*>{in[0], in[1], in[2], hat[0], hat[1], hat[2], o, ohp, m, l})
+      VQAD_CUDA_CHECK(cudaFree(ptr));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool do_check = argc < 2, do_time = argc < 2;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "check") do_check = true;
+    if (a == "time") do_time = true;
+  }
+  int failures = 0;
+  try {
+    if (do_check) failures = check();
+    if (do_time) time_shapes();
+  } catch (const std::exception& e) {
+    std::printf("error: %s\n", e.what());
+    return 2;
+  }
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,223 @@
+// `vqad data inspect|synth|bench`: look at FastVideo parquet datasets and ODE caches,
+// write synthetic datasets, and measure the reader's throughput.
+#include <arrow/api.h>
+#include <arrow/io/file.h>
+#include <fcntl.h>
+#include <parquet/arrow/reader.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "vqad/cli/commands.h"
+#include "vqad/core/error.h"
+#include "vqad/data/arrow_util.h"
+#include "vqad/data/loader.h"
+#include "vqad/data/ode_cache.h"
+#include "vqad/data/parquet_dataset.h"
+#include "vqad/data/synthetic.h"
+
+namespace fs = std::filesystem;
+
+namespace vqad::cli {
+namespace {
+
+using namespace vqad::data;
+
+std::string shape_of(const torch::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+DataKind detect_kind(const std::string& first_file) {
+  auto input = arrow_util::unwrap(arrow::io::ReadableFile::Open(first_file), "open '" + first_file + "'");
+  auto reader = arrow_util::unwrap(parquet::arrow::OpenFile(input, arrow::default_memory_pool()),
+                                   "parquet file '" + first_file + "'");
+  std::shared_ptr<arrow::Schema> schema;
+  arrow_util::check_status(reader->GetSchema(&schema), "schema of '" + first_file + "'");
+  return schema->GetFieldByName("vae_latent_bytes") ? DataKind::T2V : DataKind::TextOnly;
+}
+
+int inspect_ode_cache(const std::string& path) {
+  auto cache = OdeCache::open(path);
+  const auto& m = cache.meta();
+  std::printf("ODE cache %s\n", path.c_str());
+  std::printf("  trajectories %lld, anchors %lld, pairs %lld, latent %s, dtype %s\n",
+              (long long)cache.num_trajectories(), (long long)cache.num_anchors(),
+              (long long)cache.num_pairs(), shape_of(torch::empty(m.geometry.latent_shape, torch::TensorOptions().device(torch::kMeta))).c_str(),
+              m.latent_dtype.c_str());
+  std::printf("  schedule: %lld teacher steps, shift %g, solver %s, anchors at",
+              (long long)m.schedule.teacher_steps, m.schedule.flow_shift, m.schedule.solver.c_str());
+  for (auto i : m.schedule.student_indices) std::printf(" %lld", (long long)i);
+  std::printf("\n  teacher: %s (%s, %s), guidance %g, %zu hashed files\n", m.teacher.model_kind.c_str(),
+              m.teacher.init_from.c_str(), m.teacher.backend.c_str(), m.teacher.guidance_scale,
+              m.teacher.file_sha256.size());
+  auto t = cache.trajectory(0);
+  std::printf("  trajectory 0: '%s' prompt tokens %lld\n", t.caption.c_str(),
+              (long long)t.prompt_embedding.size(0));
+  return 0;
+}
+
+int inspect(const std::string& path, const std::string& kind_name, int show) {
+  if (fs::is_directory(path) && fs::exists(fs::path(path) / "cache.json")) return inspect_ode_cache(path);
+  auto files = find_parquet_files(path);
+  DataKind kind = kind_name == "auto" ? detect_kind(files[0]) : parse_data_kind(kind_name);
+  DatasetOptions o;
+  o.kind = kind;
+  o.text_dim = 0;
+  o.normalize_latents = false;
+  auto ds = ParquetDataset::open(path, o);
+  {
+    auto input = arrow_util::unwrap(arrow::io::ReadableFile::Open(files[0]), "open");
+    auto reader = arrow_util::unwrap(parquet::arrow::OpenFile(input, arrow::default_memory_pool()), "open");
+    std::shared_ptr<arrow::Schema> schema;
+    arrow_util::check_status(reader->GetSchema(&schema), "schema");
+    std::printf("dataset %s (%s schema)\n", path.c_str(), to_string(kind).c_str());
+    std::printf("schema of %s:\n", files[0].c_str());
+    for (const auto& f : schema->fields()) std::printf("  %-22s %s\n", f->name().c_str(), f->type()->ToString().c_str());
+  }
+  int64_t groups = 0;
+  for (const auto& f : ds->files()) groups += int64_t(f.row_groups.size());
+  std::printf("files %zu, row groups %lld, rows %lld\n", ds->files().size(), (long long)groups,
+              (long long)ds->size());
+  const int64_t n = std::min<int64_t>(show, ds->size());
+  for (int64_t i = 0; i < n; ++i) {
+    auto s = ds->get(i);
+    std::printf("row %lld id=%s latent=%s text=[%lld, %lld] caption=\"%s\"\n", (long long)i, s.id.c_str(),
+                s.latent.defined() ? shape_of(s.latent).c_str() : "-", (long long)s.text_tokens,
+                (long long)s.text.size(1), s.caption.c_str());
+  }
+  return 0;
+}
+
+void evict_from_page_cache(const std::vector<FileEntry>& files) {
+  for (const auto& f : files) {
+    int fd = ::open(f.path.c_str(), O_RDONLY);
+    if (fd < 0) continue;
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+}
+
+}  // namespace
+
+void register_data_commands(CLI::App& app) {
+  auto* data = app.add_subcommand("data", "FastVideo parquet datasets and ODE caches");
+  data->require_subcommand(1);
+
+  {
+    auto* sub = data->add_subcommand("inspect", "Print schema, rows, shapes and captions of a dataset (or an ODE cache)");
+    auto path = std::make_shared<std::string>();
+    auto kind = std::make_shared<std::string>("auto");
+    auto show = std::make_shared<int>(3);
+    sub->add_option("path", *path, "dataset root, parquet file or ODE cache directory")->required();
+    sub->add_option("--kind", *kind, "auto | t2v | text_only");
+    sub->add_option("--rows", *show, "rows to print");
+    set_action(sub, [=] { return inspect(*path, *kind, *show); });
+  }
+
+  {
+    auto* sub = data->add_subcommand("synth", "Write a synthetic FastVideo-schema dataset (structured latent videos + captions)");
+    auto out = std::make_shared<std::string>();
+    auto rows = std::make_shared<int64_t>(16);
+    auto kind = std::make_shared<std::string>("t2v");
+    auto so = std::make_shared<SynthOptions>();
+    auto wo = std::make_shared<WriterOptions>();
+    sub->add_option("out", *out, "output directory")->required();
+    sub->add_option("--rows", *rows, "number of rows");
+    sub->add_option("--kind", *kind, "t2v | text_only");
+    sub->add_option("--latent-t", so->latent_t, "latent frames (21 = 81 frames)");
+    sub->add_option("--latent-h", so->latent_h, "latent height (60 = 480 px)");
+    sub->add_option("--latent-w", so->latent_w, "latent width (104 = 832 px)");
+    sub->add_option("--text-dim", so->text_dim, "text embedding width");
+    sub->add_option("--text-tokens", so->text_tokens, "stored tokens per row (0: caption length)");
+    sub->add_option("--seed", so->seed, "generator seed");
+    sub->add_flag("--dense-text", so->dense_text, "fill padding tokens with noise (incompressible benchmark rows)");
+    sub->add_option("--rows-per-file", wo->rows_per_file, "rows per parquet file");
+    sub->add_option("--compression", wo->compression, "zstd | snappy | none");
+    set_action(sub, [=] {
+      SynthOptions o = *so;
+      o.kind = parse_data_kind(*kind);
+      auto t0 = std::chrono::steady_clock::now();
+      auto files = write_synthetic_dataset(*out, *rows, o, *wo);
+      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      uintmax_t bytes = 0;
+      for (const auto& f : files) bytes += fs::file_size(f);
+      std::printf("wrote %lld rows in %zu files (%.1f MB) to %s in %.1f s\n", (long long)*rows,
+                  files.size(), double(bytes) / 1e6, out->c_str(), s);
+      return 0;
+    });
+  }
+
+  {
+    auto* sub = data->add_subcommand("bench", "Measure reader throughput (rows/s, MB/s) over a dataset");
+    auto path = std::make_shared<std::string>();
+    auto kind = std::make_shared<std::string>("auto");
+    auto batches = std::make_shared<int64_t>(0);
+    auto batch_size = std::make_shared<int64_t>(1);
+    auto prefetch = std::make_shared<size_t>(2);
+    auto num_latent_t = std::make_shared<int64_t>(0);
+    auto seed = std::make_shared<int64_t>(1000);
+    auto cold = std::make_shared<bool>(false);
+    auto json_out = std::make_shared<std::string>();
+    sub->add_option("path", *path, "dataset root")->required();
+    sub->add_option("--kind", *kind, "auto | t2v | text_only");
+    sub->add_option("--batches", *batches, "batches to read (0: one epoch)");
+    sub->add_option("--batch-size", *batch_size, "rows per batch");
+    sub->add_option("--prefetch", *prefetch, "read-ahead depth (0: synchronous)");
+    sub->add_option("--num-latent-t", *num_latent_t, "latent frames kept (0: all)");
+    sub->add_option("--seed", *seed, "permutation seed");
+    sub->add_flag("--cold", *cold, "evict the files from the page cache first (posix_fadvise)");
+    sub->add_option("--json", *json_out, "write the result as JSON to this file");
+    set_action(sub, [=] {
+      auto files = find_parquet_files(*path);
+      DatasetOptions o;
+      o.kind = *kind == "auto" ? detect_kind(files[0]) : parse_data_kind(*kind);
+      o.num_latent_t = *num_latent_t;
+      o.text_dim = 0;
+      o.cfg_rate = 0.1;
+      o.seed = *seed;
+      auto ds = ParquetDataset::open(*path, o);
+      uintmax_t disk = 0;
+      for (const auto& f : ds->files()) disk += fs::file_size(f.path);
+      if (*cold) evict_from_page_cache(ds->files());
+      SamplerOptions so;
+      so.dataset_size = ds->size();
+      so.batch_size = *batch_size;
+      so.seed = *seed;
+      DpSpBatchSampler sampler(so);
+      const int64_t n = *batches > 0 ? *batches : sampler.batches_per_epoch();
+      auto t0 = std::chrono::steady_clock::now();
+      PrefetchLoader loader(ds, sampler, *prefetch);
+      int64_t rows = 0;
+      double payload = 0;
+      for (int64_t b = 0; b < n; ++b) {
+        auto batch = loader.next();
+        rows += int64_t(batch.indices.size());
+        if (batch.latent.defined()) payload += double(batch.latent.numel()) * batch.latent.element_size();
+        payload += double(batch.text.numel()) * 4;
+      }
+      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("dataset %s: %zu files, %lld rows, %.1f MB on disk\n", path->c_str(), ds->files().size(),
+                  (long long)ds->size(), double(disk) / 1e6);
+      std::printf("read %lld rows in %lld batches (shuffled, batch %lld, prefetch %zu, %s page cache) in %.2f s\n",
+                  (long long)rows, (long long)n, (long long)*batch_size, *prefetch, *cold ? "cold" : "warm", s);
+      std::printf("  %.2f rows/s, %.1f MB/s of decoded float32 tensors\n", double(rows) / s, payload / 1e6 / s);
+      if (!json_out->empty()) {
+        nlohmann::json j = {{"dataset", *path},       {"files", ds->files().size()},
+                            {"rows_in_dataset", ds->size()}, {"disk_bytes", disk},
+                            {"rows_read", rows},      {"batches", n},
+                            {"batch_size", *batch_size}, {"prefetch", *prefetch},
+                            {"cold", *cold},          {"seconds", s},
+                            {"rows_per_s", double(rows) / s}, {"decoded_mb_per_s", payload / 1e6 / s}};
+        std::ofstream(*json_out) << j.dump(2) << "\n";
+      }
+      return 0;
+    });
+  }
+}
+
+}  // namespace vqad::cli

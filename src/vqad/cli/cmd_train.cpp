@@ -1,0 +1,100 @@
+// `vqad train`, `vqad export`, `vqad lineage`.
+#include <iostream>
+
+#include "vqad/cli/commands.h"
+#include "vqad/core/error.h"
+#include "vqad/core/log.h"
+#include "vqad/train/config.h"
+#include "vqad/train/demo.h"
+#include "vqad/train/metadata.h"
+#include "vqad/train/trainer.h"
+
+namespace vqad::cli {
+
+void register_train_commands(CLI::App& app) {
+  {
+    auto* sub = app.add_subcommand(
+        "demo", "Run the QAD recipe at tiny scale on synthetic data (teacher -> Attn-QAT + NVFP4 stage 1 -> report)");
+    auto o = std::make_shared<train::DemoOptions>();
+    auto device = std::make_shared<std::string>("cpu");
+    sub->add_option("--out", o->out, "output directory (default vqad-demo)");
+    sub->add_option("--device", *device, "cpu (default) | cuda | auto");
+    sub->add_option("--teacher-steps", o->teacher_steps, "override the teacher's step count");
+    sub->add_option("--stage1-steps", o->stage1_steps, "override stage 1's step count");
+    sub->add_option("--train-rows", o->train_rows, "synthetic training rows (default 64)");
+    set_action(sub, [=] {
+      o->device = train::parse_device(*device);
+      auto report = train::run_demo(*o);
+      std::cout << train::demo_report_text(report);
+      return report.lineage_verified ? 0 : 1;
+    });
+  }
+  {
+    auto* sub = app.add_subcommand("train", "Train from a FastVideo-style YAML recipe (--a.b value overrides)");
+    auto config = std::make_shared<std::string>();
+    auto device = std::make_shared<std::string>("auto");
+    auto dry = std::make_shared<bool>(false);
+    auto no_progress = std::make_shared<bool>(false);
+    sub->add_option("config", *config, "recipe YAML")->required();
+    sub->add_option("--device", *device, "cpu | cuda | cuda:N | auto (default)");
+    sub->add_flag("--dry-run", *dry, "validate, build every role, print the resolved config, quant plan and memory estimate");
+    sub->add_flag("--no-progress", *no_progress, "no progress bar");
+    sub->allow_extras();  // --a.b.c value overrides
+    set_action(sub, [=] {
+      // Overrides are validated with the config before anything is built or loaded.
+      auto run = train::load_run_config(*config, sub->remaining());
+      train::TrainerOptions o;
+      o.device = train::parse_device(*device);
+      o.dry_run = *dry;
+      o.progress = !*no_progress;
+      train::Trainer trainer(run, o);
+      if (*dry) {
+        trainer.print_dry_run();
+        return 0;
+      }
+      auto s = trainer.run();
+      std::cout << "trained steps " << s.first_step << ".." << s.last_step << " in " << s.seconds << " s";
+      if (!s.losses.empty()) std::cout << ", final loss " << s.losses.back();
+      std::cout << "\n";
+      for (const auto& c : s.checkpoints) std::cout << "checkpoint " << c << "\n";
+      return 0;
+    });
+  }
+  {
+    auto* sub = app.add_subcommand("export", "Export a role of a checkpoint as a Diffusers transformer directory");
+    auto ckpt = std::make_shared<std::string>();
+    auto out = std::make_shared<std::string>();
+    auto role = std::make_shared<std::string>("student");
+    auto overwrite = std::make_shared<bool>(false);
+    sub->add_option("checkpoint", *ckpt, "checkpoint-<step> directory")->required();
+    sub->add_option("out_dir", *out, "output directory (transformer/ + metadata.json)")->required();
+    sub->add_option("--role", *role, "role to export (default student)");
+    sub->add_flag("--overwrite", *overwrite, "replace an existing output directory");
+    set_action(sub, [=] {
+      auto dir = train::export_checkpoint(*ckpt, *out, *role, *overwrite);
+      std::cout << "exported " << *role << " of " << *ckpt << " to " << dir << "\n";
+      return 0;
+    });
+  }
+  {
+    auto* sub = app.add_subcommand("lineage", "Print (and verify) the lineage of a checkpoint or export");
+    auto path = std::make_shared<std::string>();
+    auto verify = std::make_shared<bool>(false);
+    sub->add_option("path", *path, "checkpoint or export directory")->required();
+    sub->add_flag("--verify", *verify, "check ids, file hashes and parents on disk");
+    set_action(sub, [=] {
+      auto meta = train::read_metadata(*path);
+      std::cout << train::lineage_text(meta);
+      if (!*verify) return 0;
+      auto problems = train::verify_lineage(*path);
+      if (problems.empty()) {
+        std::cout << "lineage verified\n";
+        return 0;
+      }
+      for (const auto& p : problems) std::cout << "FAILED: " << p << "\n";
+      return 1;
+    });
+  }
+}
+
+}  // namespace vqad::cli

@@ -1,0 +1,122 @@
+#include "vqad/data/synthetic.h"
+
+#include <torch/torch.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <array>
+#include <sstream>
+
+#include "vqad/core/error.h"
+#include "vqad/data/latent_norm.h"
+
+namespace vqad::data {
+namespace {
+
+constexpr std::array<const char*, 6> kColours = {"red", "green", "blue", "yellow", "white", "purple"};
+constexpr std::array<const char*, 4> kDirections = {"left", "right", "up", "down"};
+constexpr std::array<const char*, 3> kBackgrounds = {"dark", "bright", "striped"};
+
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+
+at::Generator gen_for(uint64_t key) { return at::make_generator<at::CPUGeneratorImpl>(mix(key)); }
+
+}  // namespace
+
+ParquetRecord synth_record(const SynthOptions& o, int64_t g) {
+  VQAD_CHECK(o.latent_t > 0 && o.latent_h > 0 && o.latent_w > 0 && o.text_dim > 0,
+             "synthetic data: latent T/H/W and text_dim must be positive");
+  const uint64_t row_key = mix(uint64_t(o.seed) * 1000003ULL + uint64_t(g));
+  const size_t colour = row_key % kColours.size();
+  const size_t dir = (row_key / 7) % kDirections.size();
+  const size_t bg = (row_key / 31) % kBackgrounds.size();
+  const int64_t blobs = 1 + int64_t((row_key / 101) % 3);
+
+  std::ostringstream cap;
+  cap << (blobs == 1 ? "a " : blobs == 2 ? "two " : "three ") << kColours[colour]
+      << (blobs == 1 ? " ball" : " balls") << " moving " << kDirections[dir] << " over a "
+      << kBackgrounds[bg] << " background";
+  ParquetRecord r;
+  char id[32];
+  std::snprintf(id, sizeof(id), "synth_%08lld", static_cast<long long>(g));
+  r.id = id;
+  r.caption = cap.str();
+  r.file_name = r.id + ".mp4";
+
+  if (o.kind == DataKind::T2V) {
+    torch::NoGradGuard ng;
+    const int64_t C = kWanLatentChannels, T = o.latent_t, H = o.latent_h, W = o.latent_w;
+    auto gen = gen_for(row_key);
+    auto ty = torch::linspace(-1, 1, H).view({1, H, 1});
+    auto tx = torch::linspace(-1, 1, W).view({1, 1, W});
+    auto tt = torch::linspace(0, 1, T).view({T, 1, 1});
+    // Background: per-channel level plus an optional stripe pattern.
+    auto chan_level = torch::randn({C, 1, 1, 1}, gen) * 0.3;
+    auto frame = torch::zeros({T, H, W});
+    if (bg == 2) frame = frame + 0.5 * torch::sin(tx * 12.0).expand({T, H, W});
+    if (bg == 1) frame = frame + 0.8;
+    if (bg == 0) frame = frame - 0.8;
+    auto vid = chan_level + frame.unsqueeze(0).expand({C, T, H, W}) * 0.5;
+    const double dx = dir == 0 ? -1.0 : dir == 1 ? 1.0 : 0.0;
+    const double dy = dir == 2 ? -1.0 : dir == 3 ? 1.0 : 0.0;
+    // The colour word selects which channels the blobs light up.
+    auto colour_gain = torch::randn({C, 1, 1, 1}, gen_for(colour + 17)) * 1.5;
+    for (int64_t b = 0; b < blobs; ++b) {
+      auto p = torch::rand({3}, gen);
+      const double x0 = p[0].item<double>() * 1.2 - 0.6, y0 = p[1].item<double>() * 1.2 - 0.6;
+      const double radius = 0.15 + 0.15 * p[2].item<double>();
+      auto cx = x0 + dx * 0.8 * tt, cy = y0 + dy * 0.8 * tt;
+      auto d2 = (tx - cx).pow(2) + (ty - cy).pow(2);
+      auto blob = torch::exp(-d2 / (2 * radius * radius));  // [T, H, W]
+      vid = vid + colour_gain * blob.unsqueeze(0);
+    }
+    vid = vid + 0.05 * torch::randn({C, T, H, W}, gen);
+    r.latent = denormalize_wan_latents(vid).contiguous();
+    r.width = W * 8;
+    r.height = H * 8;
+    r.num_frames = T;
+    r.fps = 16.0;
+    r.duration_sec = double((T - 1) * 4 + 1) / 16.0;
+  }
+
+  // Text: one deterministic vector per word, plus an end token.
+  std::vector<std::string> words;
+  {
+    std::istringstream is(r.caption);
+    for (std::string w; is >> w;) words.push_back(w);
+  }
+  const int64_t real = int64_t(words.size()) + 1;
+  const int64_t L = o.text_tokens > 0 ? o.text_tokens : real;
+  auto text = o.dense_text ? torch::randn({L, o.text_dim}, gen_for(row_key ^ 0xD7ULL)) * 0.05
+                           : torch::zeros({L, o.text_dim});
+  for (int64_t k = 0; k < std::min(L, real); ++k) {
+    uint64_t key = k + 1 < real ? fnv1a(words[size_t(k)]) : 0xE05ULL;
+    text[k] = torch::randn({o.text_dim}, gen_for(key ^ 0x7e47ULL)) * 0.2;
+  }
+  r.text = text;
+  return r;
+}
+
+std::vector<std::string> write_synthetic_dataset(const std::string& directory, int64_t rows,
+                                                 const SynthOptions& options,
+                                                 const WriterOptions& writer_options) {
+  VQAD_CHECK(rows > 0, "synthetic data: rows must be positive, found ", rows);
+  WriterOptions w = writer_options;
+  w.kind = options.kind;
+  ParquetDatasetWriter writer(directory, w);
+  for (int64_t g = 0; g < rows; ++g) writer.add(synth_record(options, g));
+  return writer.close();
+}
+
+}  // namespace vqad::data

@@ -1,0 +1,80 @@
+// ATTN_QAT_TRAIN backward on Hopper (spec/attention.md, "ATTN_QAT_TRAIN backward").
+//
+// Plain C++ launch header (no torch). Inputs are the forward's fake-quantized
+// operands Q^, K^, V^ (BF16), the incoming gradient dO (BF16), the saved
+// high-precision output O_hp (BF16) and the saved row statistics m, l (FP32,
+// [B, H, Lq] contiguous; m is the log2-domain row max of s = c * Q^.K^T and l
+// the row sum of bf16(P) relative to it). Outputs dQ, dK, dV are BF16.
+//
+// Work split (deterministic, no atomics anywhere):
+//   1. a row pre-pass: delta_i = rowsum(dO_i * O_hp_i), packed with m_i and 1/l_i;
+//   2. dK/dV: one CTA per block of 128 keys, looping over every query block of 64;
+//   3. dQ:    one CTA per block of 128 queries, looping over every key block
+//             (64 keys with mma.sync, 128 with wgmma; on sm_90 steps 2 and 3 are
+//             one launch).
+// S and dP are recomputed in both 2 and 3 (7 GEMMs instead of the 5 of an
+// atomic dQ); in exchange the result is bitwise reproducible run to run.
+// The P groups of the dV path are the 16-key groups of each query row starting
+// at key 0 (a tail group uses only its valid keys), independent of any BLOCK_N.
+//
+// Layout: BLHD with element strides for b, l, h; the head dim (D = 128) is
+// contiguous; every row start must be 16-byte aligned.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace vqad::kernels {
+
+// How the P used for dV (Pb) is formed.
+enum class AttnQatBwdPMode {
+  kConsistent,  // Pb = FQ(exp2(s - m)) / l   (spec default)
+  kFastVideo,   // Pb = FQ(exp2(s - m) / l)   (FastVideo parity)
+  kNone,        // Pb = P (quant_p = false: plain flash backward)
+};
+const char* attn_qat_bwd_p_mode_name(AttnQatBwdPMode m);
+
+// Which kernels run. Both give the same numerics (same tiles, same P groups,
+// fp32 accumulation); kAuto takes wgmma on sm_90 and mma.sync on other archs.
+enum class AttnQatBwdImpl { kAuto, kMmaSync, kWgmma };
+const char* attn_qat_bwd_impl_name(AttnQatBwdImpl i);
+
+struct AttnQatBwdTensor {  // one BLHD BF16 tensor (bf16 stored as uint16_t bits)
+  const void* data = nullptr;
+  int64_t stride_b = 0, stride_l = 0, stride_h = 0;  // elements
+};
+struct AttnQatBwdOutTensor {
+  void* data = nullptr;
+  int64_t stride_b = 0, stride_l = 0, stride_h = 0;  // elements
+};
+
+struct AttnQatBwdParams {
+  int batch = 0, heads = 0, len_q = 0, len_kv = 0, head_dim = 128;
+  float softmax_scale = 0.0f;  // 0 -> 1/sqrt(head_dim)
+  AttnQatBwdPMode p_mode = AttnQatBwdPMode::kConsistent;
+  AttnQatBwdImpl impl = AttnQatBwdImpl::kAuto;
+
+  AttnQatBwdTensor q_hat, k_hat, v_hat;  // [B, Lq|Lkv, H, D]
+  AttnQatBwdTensor d_out, o_hp;          // [B, Lq, H, D]
+  const float* m = nullptr;              // [B, H, Lq]
+  const float* l = nullptr;              // [B, H, Lq]
+
+  AttnQatBwdOutTensor d_q, d_k, d_v;     // BF16, [B, L*, H, D]
+
+  // Scratch of attn_qat_bwd_workspace_bytes(*this) bytes, 16-byte aligned,
+  // owned by the caller (the torch op hands in an allocator block).
+  void* workspace = nullptr;
+};
+
+size_t attn_qat_bwd_workspace_bytes(const AttnQatBwdParams& p);
+
+// Throws vqad::Error on invalid shapes/strides/alignment or an unsupported
+// device (names device, arch and shape); CUDA failures throw with the op name.
+void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream);
+
+// Tile sizes of the kernels (for benchmarks and docs).
+inline constexpr int kAttnQatBwdKeysPerCta = 128;
+inline constexpr int kAttnQatBwdQueriesPerCta = 128;
+
+}  // namespace vqad::kernels

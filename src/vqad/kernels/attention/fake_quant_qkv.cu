@@ -1,0 +1,170 @@
+// Q/K/V pre-pass of ATTN_QAT_TRAIN: NVFP4 fake quantization with unit scale, one
+// 16-channel block of one token per thread, bit-exact with nvfp4::quantize_block.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "vqad/kernels/attention/attention_qat.h"
+#include "vqad/kernels/common/cuda_check.h"
+
+namespace vqad::kernels::attention {
+namespace {
+
+__device__ __forceinline__ float e4m3_rn_satfinite(float x) {
+  const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));
+}
+
+// Nearest E2M1 magnitude of a >= 0, ties to the even code, saturating at 6. Adding
+// 2^22 / 2^23 / 2^24 moves a into a binade whose ulp is the grid spacing of
+// [0,2) / [2,4) / [4,6] (0.5 / 1 / 2), so the fp32 adder does the RNE; the even
+// multiple of the spacing is the even code in every binade. NaN and inf give 6.
+__device__ __forceinline__ float e2m1_rne_magnitude(float a) {
+  const float magic = a < 2.0f ? 4194304.0f : (a < 4.0f ? 8388608.0f : 16777216.0f);
+  return fminf(__fsub_rn(__fadd_rn(a, magic), magic), 6.0f);
+}
+
+struct Bf16x16 {
+  uint4 lo, hi;
+};
+
+__device__ __forceinline__ void unpack(const Bf16x16& in, float* x) {
+  const __nv_bfloat162* p0 = reinterpret_cast<const __nv_bfloat162*>(&in.lo);
+  const __nv_bfloat162* p1 = reinterpret_cast<const __nv_bfloat162*>(&in.hi);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = __bfloat1622float2(p0[i]);
+    const float2 b = __bfloat1622float2(p1[i]);
+    x[2 * i] = a.x;
+    x[2 * i + 1] = a.y;
+    x[8 + 2 * i] = b.x;
+    x[8 + 2 * i + 1] = b.y;
+  }
+}
+
+__device__ __forceinline__ Bf16x16 pack(const float* y) {
+  Bf16x16 out;
+  __nv_bfloat162* p0 = reinterpret_cast<__nv_bfloat162*>(&out.lo);
+  __nv_bfloat162* p1 = reinterpret_cast<__nv_bfloat162*>(&out.hi);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    p0[i] = __floats2bfloat162_rn(y[2 * i], y[2 * i + 1]);
+    p1[i] = __floats2bfloat162_rn(y[8 + 2 * i], y[8 + 2 * i + 1]);
+  }
+  return out;
+}
+
+// In place on 16 values; order of fp32 operations as spec/nvfp4.md with s_enc = 1.
+__device__ __forceinline__ void fake_quantize16(float* x) {
+  float amax = 0.0f;
+  bool has_nan = false;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    has_nan |= (x[i] != x[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+  const float S = e4m3_rn_satfinite(__fdiv_rn(amax, 6.0f));
+  const float inv = __frcp_rn(S);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float y = copysignf(e2m1_rne_magnitude(fabsf(x[i]) * inv) * S, x[i]);
+    x[i] = has_nan ? __int_as_float(0x7fc00000) : (S == 0.0f ? 0.0f : y);
+  }
+}
+
+struct Job {
+  const __nv_bfloat16* src;
+  __nv_bfloat16* dst;
+  BlhdStrides stride;
+  int len;
+  bool quantize;
+};
+
+// One thread per (b, l, h, 16-channel block); the output is contiguous, so the
+// linear block index is also the output offset / 16.
+__global__ void fake_quant_qkv_kernel(Job j0, Job j1, Job j2, int heads, int head_dim,
+                                      int batch) {
+  // Field-wise selects keep the parameters out of local memory.
+  const int which = blockIdx.y;
+  Job job;
+  job.src = which == 0 ? j0.src : (which == 1 ? j1.src : j2.src);
+  job.dst = which == 0 ? j0.dst : (which == 1 ? j1.dst : j2.dst);
+  job.stride.b = which == 0 ? j0.stride.b : (which == 1 ? j1.stride.b : j2.stride.b);
+  job.stride.l = which == 0 ? j0.stride.l : (which == 1 ? j1.stride.l : j2.stride.l);
+  job.stride.h = which == 0 ? j0.stride.h : (which == 1 ? j1.stride.h : j2.stride.h);
+  job.len = which == 0 ? j0.len : (which == 1 ? j1.len : j2.len);
+  job.quantize = which == 0 ? j0.quantize : (which == 1 ? j1.quantize : j2.quantize);
+  const int nb = head_dim / 16;
+  const int64_t total = static_cast<int64_t>(batch) * job.len * heads * nb;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int db = static_cast<int>(idx % nb);
+    int64_t rest = idx / nb;
+    const int h = static_cast<int>(rest % heads);
+    rest /= heads;
+    const int64_t l = rest % job.len;
+    const int64_t b = rest / job.len;
+    const __nv_bfloat16* src =
+        job.src + b * job.stride.b + l * job.stride.l + h * job.stride.h + db * 16;
+    Bf16x16 in;
+    in.lo = __ldg(reinterpret_cast<const uint4*>(src));
+    in.hi = __ldg(reinterpret_cast<const uint4*>(src + 8));
+    Bf16x16 out = in;
+    if (job.quantize) {
+      float x[16];
+      unpack(in, x);
+      fake_quantize16(x);
+      out = pack(x);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(job.dst + idx * 16);
+    dst[0] = out.lo;
+    dst[1] = out.hi;
+  }
+}
+
+std::string shape_str(const FakeQuantQkvParams& p) {
+  return "B=" + std::to_string(p.batch) + " Lq=" + std::to_string(p.len_q) +
+         " Lkv=" + std::to_string(p.len_kv) + " H=" + std::to_string(p.heads) +
+         " D=" + std::to_string(p.head_dim);
+}
+
+void check_operand(const char* name, const void* ptr, const void* out, const BlhdStrides& s,
+                   const FakeQuantQkvParams& p) {
+  const std::string where = std::string("fake_quant_qkv: ") + name + " (" + shape_str(p) + ")";
+  if (ptr == nullptr || out == nullptr) throw std::runtime_error(where + ": null input or output pointer");
+  if (s.d != 1) throw std::runtime_error(where + ": head-dim stride must be 1, got " + std::to_string(s.d));
+  if (s.b % 8 != 0 || s.l % 8 != 0 || s.h % 8 != 0)
+    throw std::runtime_error(where + ": strides (b=" + std::to_string(s.b) + ", l=" + std::to_string(s.l) +
+                             ", h=" + std::to_string(s.h) + ") must be multiples of 8 elements");
+  if ((reinterpret_cast<uintptr_t>(ptr) | reinterpret_cast<uintptr_t>(out)) % 16 != 0)
+    throw std::runtime_error(where + ": input and output must be 16-byte aligned");
+}
+
+}  // namespace
+
+void launch_fake_quant_qkv(const FakeQuantQkvParams& p, cudaStream_t stream) {
+  if (p.batch <= 0 || p.heads <= 0 || p.len_q <= 0 || p.len_kv <= 0 || p.head_dim <= 0 ||
+      p.head_dim % 16 != 0)
+    throw std::runtime_error("fake_quant_qkv: unsupported shape " + shape_str(p) +
+                             " (all sizes positive, D a multiple of 16)");
+  check_operand("q", p.q, p.q_out, p.q_stride, p);
+  check_operand("k", p.k, p.k_out, p.k_stride, p);
+  check_operand("v", p.v, p.v_out, p.v_stride, p);
+  using bf = __nv_bfloat16;
+  Job jq{static_cast<const bf*>(p.q), static_cast<bf*>(p.q_out), p.q_stride, p.len_q, p.quant_qk};
+  Job jk{static_cast<const bf*>(p.k), static_cast<bf*>(p.k_out), p.k_stride, p.len_kv, p.quant_qk};
+  Job jv{static_cast<const bf*>(p.v), static_cast<bf*>(p.v_out), p.v_stride, p.len_kv, p.quant_v};
+  const int64_t max_blocks =
+      static_cast<int64_t>(p.batch) * (p.len_q > p.len_kv ? p.len_q : p.len_kv) * p.heads * (p.head_dim / 16);
+  const int threads = 256;
+  int64_t grid = (max_blocks + threads - 1) / threads;
+  if (grid > 65535LL * 16) grid = 65535LL * 16;  // grid-stride beyond this
+  fake_quant_qkv_kernel<<<dim3(static_cast<unsigned>(grid), 3), threads, 0, stream>>>(
+      jq, jk, jv, p.heads, p.head_dim, p.batch);
+  VQAD_CUDA_CHECK_LAUNCH("fake_quant_qkv_kernel");
+}
+
+}  // namespace vqad::kernels::attention

@@ -1,0 +1,252 @@
+// Device code shared by the ATTN_QAT_TRAIN backward kernels (mma.sync and wgmma
+// variants): kernel parameters, PTX wrappers, the P fake quantization of the dV
+// path, and the launch entry points of each variant.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "vqad/kernels/attention/attention_qat_bwd.h"
+#include "vqad/kernels/common/device.h"
+
+namespace vqad::kernels::attn_bwd {
+
+constexpr int kD = 128;
+using bf16 = __nv_bfloat16;
+
+struct InTensor {
+  const bf16* p;
+  int64_t sb, sl, sh;
+};
+struct OutTensor {
+  bf16* p;
+  int64_t sb, sl, sh;
+};
+
+struct KernelParams {
+  int B, H, Lq, Lkv;
+  float scale, c;  // c = scale * log2(e)
+  InTensor q, k, v, dout, ohp;
+  const float* m;
+  const float* l;
+  OutTensor dq, dk, dv;
+  float4* stats;  // [B, H, Lq]: {m, 1/l, delta, 0}
+};
+
+// Host entry points of the two variants (defined in attn_qat_bwd.cu and
+// attn_qat_bwd_wgmma.cu); the row-statistics pre-pass has already run.
+void launch_mma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
+                        cudaStream_t stream);
+void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
+                          cudaStream_t stream);
+// Benchmark knob of the wgmma dQ kernel: keys per block, 64 or 128 (default).
+void set_dq_key_tile_for_tuning(int key_tile);
+// Benchmark knob: dK/dV and dQ in one launch (default) or two.
+void set_wgmma_single_launch_for_tuning(bool single);
+
+// ---------------------------------------------------------------------------
+// PTX wrappers
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const int bytes = valid ? 16 : 0;  // 0 -> zero-fill (masked tail rows)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
+               "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1/s for the positive E4M3 scales (2^-9 <= s <= 448): the approximate
+// reciprocal plus one Newton step gives the correctly rounded fp32 value.
+__device__ __forceinline__ float scale_reciprocal(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(s));
+  const float e = fmaf(-s, r, 1.0f);
+  r = fmaf(r, e, r);
+  return s > 0.0f ? r : 0.0f;  // S == 0 -> the whole group quantizes to 0
+}
+
+// E2M1 magnitude rounding of a >= 0, ties to the even code, saturating at 6.
+// Adding and subtracting 2^(22 + max(E, 0)) (E = exponent of a) rounds a to a
+// multiple of the E2M1 step of its binade (0.5 below 2, 1 on [2, 4), 2 from 4)
+// with round-to-nearest-even, which is the even code at every tie.
+__device__ __forceinline__ float e2m1_round_nonneg(float a) {
+  const int eb = max(__float_as_int(a) & 0x7f800000, 0x3f800000);
+  const float magic = __int_as_float(eb + (22 << 23));
+  return fminf((a + magic) - magic, 6.0f);
+}
+
+// ---------------------------------------------------------------------------
+// P fake quantization on the transposed score tile of one warp.
+//
+// The warp holds 16 keys (rows) x 64 queries (8 n-tiles of 8 columns) in the
+// mma accumulator layout: lane (g = lane/4, t = lane%4) has rows g and g+8 of
+// columns 8j + 2t + e. One NVFP4 group of P is one column (16 keys of one query
+// row), spread over the 8 lanes with equal t. The 16 column maxima of a lane are
+// reduce-scattered over lane bits 4, 8, 16 (each lane ends with 2 finished
+// columns), the two scales are computed there, and their E4M3 bytes are
+// all-gathered back: 18 shuffles instead of 48 and 2 scale computations per lane
+// instead of 16.
+//
+// x[j][0..3] (rows g, g, g+8, g+8) are quantized to e2m1(x * inv_S) * S * post
+// (post = the per-query factor applied after quantization: 1/l in consistent
+// mode, 1 in fastvideo mode) and written as the BF16 A fragments of the
+// following Pb^T . dO product: a[kq] covers queries 16kq .. 16kq + 15.
+// ---------------------------------------------------------------------------
+template <bool kPostMul>
+__device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const float (&post)[16],
+                                                int lane, uint32_t (&a)[4][4]) {
+  float v[16];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    v[2 * j] = fmaxf(x[j][0], x[j][2]);
+    v[2 * j + 1] = fmaxf(x[j][1], x[j][3]);
+  }
+  const bool h16 = lane & 16, h8 = lane & 8, h4 = lane & 4;
+  float u[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float send = h16 ? v[i] : v[i + 8];
+    const float keep = h16 ? v[i + 8] : v[i];
+    u[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 16));
+  }
+  float w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float send = h8 ? u[i] : u[i + 4];
+    const float keep = h8 ? u[i + 4] : u[i];
+    w[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
+  }
+  float z[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float send = h4 ? w[i] : w[i + 2];
+    const float keep = h4 ? w[i + 2] : w[i];
+    z[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
+  }
+  // Scales of this lane's two finished columns, as an E4M3 byte pair
+  // (amax / 6 in IEEE fp32, then round-to-nearest-even with saturation).
+  uint16_t pk;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
+      : "=h"(pk)
+      : "f"(__fdiv_rn(z[1], 6.0f)), "f"(__fdiv_rn(z[0], 6.0f)));
+  // All-gather the bytes: word k of `words` holds the scales of columns 4k..4k+3.
+  const uint32_t mine = pk;
+  uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 4);
+  const uint32_t w4 = h4 ? (other | (mine << 16)) : (mine | (other << 16));
+  other = __shfl_xor_sync(0xffffffffu, w4, 8);
+  const uint32_t lo = h8 ? other : w4, hi = h8 ? w4 : other;
+  const uint32_t olo = __shfl_xor_sync(0xffffffffu, lo, 16);
+  const uint32_t ohi = __shfl_xor_sync(0xffffffffu, hi, 16);
+  const uint32_t words[4] = {h16 ? olo : lo, h16 ? ohi : hi, h16 ? lo : olo, h16 ? hi : ohi};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t h2;
+      const uint16_t pair = static_cast<uint16_t>(words[k] >> (16 * half));
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(pair));
+      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+      // Columns 4k + 2*half (+1) = n-tile j = 2k + half, e = 0 / 1.
+      const int j = 2 * k + half;
+      const float s_e[2] = {s2.x, s2.y};
+      float y[4];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float inv = scale_reciprocal(s_e[e]);
+        const float out = kPostMul ? s_e[e] * post[2 * j + e] : s_e[e];
+        y[e] = e2m1_round_nonneg(x[j][e] * inv) * out;
+        y[2 + e] = e2m1_round_nonneg(x[j][2 + e] * inv) * out;
+      }
+      a[k][half * 2] = pack_bf16(y[0], y[1]);
+      a[k][half * 2 + 1] = pack_bf16(y[2], y[3]);
+    }
+  }
+}
+
+// dK/dV step, element-wise part, for one warp's 16 keys x 64 queries, in two
+// phases so that phase 1 can run while the tensor cores still compute dP^T.
+// st: the 64 queries' {m, 1/l, delta} of this query block.
+//
+// Phase 1: s (raw scores) -> e = exp2(s*c - m) (consistent) or P = e/l (other
+// modes), kept for phase 2; a <- BF16 A fragments of Pb^T.
+template <AttnQatBwdPMode MODE>
+__device__ __forceinline__ void dkdv_phase1(float (&s)[8][4], const float4* st, float c,
+                                            bool key_tail, bool key_ok0, bool key_ok1, int lane,
+                                            uint32_t (&a)[4][4]) {
+  const int t4 = lane & 3;
+  float inv_l[16];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float2 ml = *reinterpret_cast<const float2*>(&st[j * 8 + 2 * t4 + e]);
+      inv_l[2 * j + e] = ml.y;
+      float e0 = fast_exp2(fmaf(s[j][e], c, -ml.x));
+      float e1 = fast_exp2(fmaf(s[j][2 + e], c, -ml.x));
+      if (key_tail) {  // absent keys take no part in the tail group's scale
+        e0 = key_ok0 ? e0 : 0.0f;
+        e1 = key_ok1 ? e1 : 0.0f;
+      }
+      if constexpr (MODE == AttnQatBwdPMode::kConsistent) {
+        s[j][e] = e0;
+        s[j][2 + e] = e1;
+      } else {
+        s[j][e] = e0 * ml.y;
+        s[j][2 + e] = e1 * ml.y;
+      }
+    }
+  }
+  if constexpr (MODE == AttnQatBwdPMode::kConsistent) {
+    fq_columns16x64<true>(s, inv_l, lane, a);
+  } else if constexpr (MODE == AttnQatBwdPMode::kFastVideo) {
+    fq_columns16x64<false>(s, inv_l, lane, a);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      a[j >> 1][(j & 1) * 2] = pack_bf16(s[j][0], s[j][1]);
+      a[j >> 1][(j & 1) * 2 + 1] = pack_bf16(s[j][2], s[j][3]);
+    }
+  }
+}
+
+// Phase 2: dS^T = P * (dP^T - delta) as BF16 A fragments (s from phase 1).
+template <AttnQatBwdPMode MODE>
+__device__ __forceinline__ void dkdv_phase2(const float (&s)[8][4], const float (&dp)[8][4],
+                                            const float4* st, int lane, uint32_t (&a)[4][4]) {
+  const int t4 = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float d[4];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float4 r = st[j * 8 + 2 * t4 + e];
+      const float f = MODE == AttnQatBwdPMode::kConsistent ? r.y : 1.0f;  // e -> P
+      d[e] = s[j][e] * f * (dp[j][e] - r.z);
+      d[2 + e] = s[j][2 + e] * f * (dp[j][2 + e] - r.z);
+    }
+    a[j >> 1][(j & 1) * 2] = pack_bf16(d[0], d[1]);
+    a[j >> 1][(j & 1) * 2 + 1] = pack_bf16(d[2], d[3]);
+  }
+}
+
+}  // namespace vqad::kernels::attn_bwd

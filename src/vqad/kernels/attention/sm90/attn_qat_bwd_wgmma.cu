@@ -1,0 +1,517 @@
+// ATTN_QAT_TRAIN backward on sm_90a with warpgroup MMA (wgmma): the same steps
+// and numerics as the mma.sync kernels in attn_qat_bwd.cu, with the GEMMs issued
+// as wgmma.mma_async from 128B-swizzled shared-memory tiles, so a B tile is read
+// once per 64 rows instead of once per 16 (the mma.sync kernels are bound by
+// ldmatrix traffic).
+//
+// dK/dV: CTA = 2 warpgroups x 64 keys; per query block of 64:
+//   S^T = K Q^T, dP^T = V dO^T   (m64n64k16, A = K/V tile, B = Q/dO tile, both K-major)
+//   P fake quantization in registers (dkdv_phase1/2, shared with mma.sync)
+//   dV += Pb^T dO, dK += dS^T Q  (m64n128k16, A from registers, B = dO/Q tile N-major)
+// dQ:   CTA = 2 warpgroups x 64 queries; per key block of KT = 128 (or 64):
+//   S = Q K^T, dP = dO V^T (m64nKTk16), dQ += dS K (m64n128k16, B = K tile N-major).
+// By default both run in one launch (fused_wgmma_kernel), dK/dV CTAs first.
+//
+// Shared tiles hold rows of 128 bf16 as two 64-column halves ([half][row][64]),
+// each row 128 bytes with its 16-byte chunks XOR-swizzled by (row & 7): the
+// canonical 128B-swizzle layout of wgmma, both as a K-major operand (k = head
+// dim) and as an N-major one (n = head dim, k = rows).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vqad/core/error.h"
+#include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
+#include "vqad/kernels/common/cuda_check.h"
+
+namespace vqad::kernels::attn_bwd {
+namespace {
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define VQAD_ATTN_BWD_WGMMA 1
+#endif
+
+#ifdef VQAD_ATTN_BWD_WGMMA
+constexpr int kRowBytes = 128;  // one 64-column half of a row
+
+// Byte offset of (row, 16-byte chunk 0..15 along D) in a swizzled tile of `rows` rows.
+__device__ __forceinline__ uint32_t sw128(int row, int chunk, int rows) {
+  return (chunk >> 3) * rows * kRowBytes + row * kRowBytes + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+template <int ROWS, int NT>
+__device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const InTensor& t, int b, int h,
+                                                int row0, int len, int tid) {
+  const bf16* base = t.p + b * t.sb + h * t.sh;
+#pragma unroll
+  for (int i = tid; i < ROWS * 16; i += NT) {
+    const int r = i / 16, ch = i % 16;
+    const int gr = row0 + r;
+    const bool ok = gr < len;
+    cp_async16(dst + sw128(r, ch, ROWS), base + static_cast<int64_t>(ok ? gr : 0) * t.sl + ch * 8, ok);
+  }
+}
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle. Addresses and
+// offsets are in bytes (encoded >> 4); tiles are 1024-byte aligned, so the
+// base-offset field stays 0.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+// K-major operand: rows [row0, row0 + 64) (or the N rows of B), k-step kk of 16
+// head-dim columns. Rows of one 8-row core group are 128 B apart, groups 1024 B.
+__device__ __forceinline__ uint64_t desc_kmajor(uint32_t tile, int rows, int row0, int kk) {
+  return gmma_desc(tile + (kk >> 2) * rows * kRowBytes + row0 * kRowBytes + (kk & 3) * 32, 16,
+                   1024);
+}
+// N-major B operand (n = the 128 head-dim columns, k = 16 tile rows from krow0):
+// the two 64-column halves are `rows * 128` bytes apart (LBO), 8-row groups 1024 B (SBO).
+__device__ __forceinline__ uint64_t desc_nmajor(uint32_t tile, int rows, int krow0) {
+  return gmma_desc(tile + krow0 * kRowBytes, rows * kRowBytes, 1024);
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads/writes across the async MMA.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 64] (+)= A[64 x 16] * B[16 x 64] with A and B in shared memory
+// (descriptors); scale_d = 0 overwrites D.
+template <int kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a,
+                                                  uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+}
+
+template <int kTransB>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a,
+                                                   uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
+}
+
+// D[64 x 128] += A[64 x 16] * B[16 x 128] with A in registers (per warp the
+// mma.m16n8k16 A-fragment layout of its 16 rows) and B in shared memory.
+template <int kTransB>
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4],
+                                                   uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB));
+}
+#endif  // VQAD_ATTN_BWD_WGMMA
+
+template <int N>
+__device__ __forceinline__ float (&flat(float (&x)[N][4]))[N * 4] {
+  return reinterpret_cast<float(&)[N * 4]>(x);
+}
+
+constexpr int kThreads = 256;  // two warpgroups
+constexpr int kKeysPerCta = 128;
+constexpr int kQueryTile = 64;
+constexpr int kQueriesPerCta = 128;
+// Stages of the streamed tiles: block i+1 is loaded while block i is computed.
+constexpr int kStages = 2;
+
+constexpr size_t kDkdvSmem = 1024 /*alignment slack*/ + 2 * kKeysPerCta * kD * 2 +
+                             kStages * 2 * kQueryTile * kD * 2 +
+                             kStages * kQueryTile * sizeof(float4);
+constexpr size_t dq_smem(int key_tile) {
+  return 1024 + 2 * kQueriesPerCta * kD * 2 + kStages * 2 * key_tile * kD * 2;
+}
+
+// Per query block (per warpgroup, 64 keys):
+//   S^T, dP^T issued as two groups; phase 1 (exp2 + P quantization) overlaps
+//   dP^T; dV issued; phase 2 (dS) overlaps dV; dK issued.
+#ifdef VQAD_ATTN_BWD_WGMMA
+template <AttnQatBwdPMode MODE>
+__device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, int b, int h,
+                                          int kv_block) {
+  constexpr int kTileK = kKeysPerCta * kD * 2, kTileQ = kQueryTile * kD * 2;
+  uint8_t* sK = smem;
+  uint8_t* sV = sK + kTileK;
+  uint8_t* sQ = sV + kTileK;             // [kStages][kTileQ]
+  uint8_t* sdO = sQ + kStages * kTileQ;  // [kStages][kTileQ]
+  float4* sSt = reinterpret_cast<float4*>(sdO + kStages * kTileQ);  // [kStages][kQueryTile]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in warpgroup
+  const int g = lane >> 2, t4 = lane & 3;
+  const int kv0 = kv_block * kKeysPerCta;
+
+  load_tile_sw128<kKeysPerCta, kThreads>(sK, p.k, b, h, kv0, p.Lkv, tid);
+  load_tile_sw128<kKeysPerCta, kThreads>(sV, p.v, b, h, kv0, p.Lkv, tid);
+  const float4* st_bh = p.stats + (static_cast<int64_t>(b) * p.H + h) * p.Lq;
+  auto load_q_block = [&](int qb, int stage) {
+    const int q0 = qb * kQueryTile;
+    load_tile_sw128<kQueryTile, kThreads>(sQ + stage * kTileQ, p.q, b, h, q0, p.Lq, tid);
+    load_tile_sw128<kQueryTile, kThreads>(sdO + stage * kTileQ, p.dout, b, h, q0, p.Lq, tid);
+    for (int i = tid; i < kQueryTile; i += kThreads) {
+      const bool ok = q0 + i < p.Lq;
+      cp_async16(&sSt[stage * kQueryTile + i], st_bh + (ok ? q0 + i : 0), ok);
+    }
+  };
+  load_q_block(0, 0);
+  cp_async_commit();
+
+  float dk[16][4], dv[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+
+  const int key_row0 = kv0 + wg * 64 + wq * 16 + g;  // this lane's keys: key_row0, +8
+  const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > p.Lkv;
+  const bool key_ok0 = key_row0 < p.Lkv, key_ok1 = key_row0 + 8 < p.Lkv;
+  const uint32_t aK = smem_u32(sK), aV = smem_u32(sV);
+  const int nq = (p.Lq + kQueryTile - 1) / kQueryTile;
+
+  for (int qb = 0; qb < nq; ++qb) {
+    const int stage = qb % kStages;
+    cp_async_wait<0>();
+    fence_proxy_async();  // cp.async data -> visible to the wgmma (async proxy)
+    __syncthreads();      // also: both warpgroups are done with block qb-1's stage
+    const uint32_t aQ = smem_u32(sQ + stage * kTileQ), adO = smem_u32(sdO + stage * kTileQ);
+    const float4* cSt = sSt + stage * kQueryTile;
+
+    float s[8][4], dp[8][4];
+    uint32_t ap[4][4], ads[4][4];  // BF16 A fragments of dV and dK
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      wgmma_m64n64k16_ss<0>(flat(s), desc_kmajor(aK, kKeysPerCta, wg * 64, kk),
+                            desc_kmajor(aQ, kQueryTile, 0, kk), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      wgmma_m64n64k16_ss<0>(flat(dp), desc_kmajor(aV, kKeysPerCta, wg * 64, kk),
+                            desc_kmajor(adO, kQueryTile, 0, kk), kk > 0);
+    wgmma_commit();
+    // Prefetch the next block into the other stage while the tensor cores run.
+    if (qb + 1 < nq) {
+      load_q_block(qb + 1, (qb + 1) % kStages);
+      cp_async_commit();
+    }
+    wgmma_wait<1>();  // S^T done; dP^T may still run
+    fence_regs(flat(s));
+
+    dkdv_phase1<MODE>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap);
+    wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < 4; ++kq)
+      wgmma_m64n128k16_rs<1>(flat(dv), ap[kq], desc_nmajor(adO, kQueryTile, kq * 16));
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T done; dV may still run
+    fence_regs(flat(dp));
+
+    dkdv_phase2<MODE>(s, dp, cSt, lane, ads);
+    wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < 4; ++kq)
+      wgmma_m64n128k16_rs<1>(flat(dk), ads[kq], desc_nmajor(aQ, kQueryTile, kq * 16));
+    wgmma_commit();
+    // Leaving dK in flight into the next block makes ptxas serialize every
+    // wgmma (C7515); the other warpgroup keeps the tensor cores busy instead.
+    wgmma_wait<0>();
+    fence_regs(flat(dv));
+    fence_regs(flat(dk));
+  }
+
+  bf16* dk_base = p.dk.p + b * p.dk.sb + h * p.dk.sh;
+  bf16* dv_base = p.dv.p + b * p.dv.sb + h * p.dv.sh;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int col = n * 8 + 2 * t4;
+    if (key_ok0) {
+      *reinterpret_cast<uint32_t*>(dk_base + static_cast<int64_t>(key_row0) * p.dk.sl + col) =
+          pack_bf16(dk[n][0] * p.scale, dk[n][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dv_base + static_cast<int64_t>(key_row0) * p.dv.sl + col) =
+          pack_bf16(dv[n][0], dv[n][1]);
+    }
+    if (key_ok1) {
+      *reinterpret_cast<uint32_t*>(dk_base + static_cast<int64_t>(key_row0 + 8) * p.dk.sl + col) =
+          pack_bf16(dk[n][2] * p.scale, dk[n][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(dv_base + static_cast<int64_t>(key_row0 + 8) * p.dv.sl + col) =
+          pack_bf16(dv[n][2], dv[n][3]);
+    }
+  }
+}
+
+// S = Q K^T with N = KT keys (64 or 128).
+template <int KT, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N], uint64_t da, uint64_t db, int scale_d) {
+  if constexpr (KT == 64) {
+    wgmma_m64n64k16_ss<0>(d, da, db, scale_d);
+  } else {
+    static_assert(KT == 128, "key tile of the dQ kernel is 64 or 128");
+    wgmma_m64n128k16_ss<0>(d, da, db, scale_d);
+  }
+}
+
+// Per key block of KT keys (per warpgroup, 64 queries): S and dP issued as two groups;
+// exp2 overlaps dP; dQ issued.
+template <int KT>  // keys per block
+__device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, int b, int h,
+                                        int q_block) {
+  constexpr int kTileQ = kQueriesPerCta * kD * 2, kTileK = KT * kD * 2;
+  uint8_t* sQ = smem;
+  uint8_t* sdO = sQ + kTileQ;
+  uint8_t* sK = sdO + kTileQ;            // [kStages][kTileK]
+  uint8_t* sV = sK + kStages * kTileK;   // [kStages][kTileK]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int q0 = q_block * kQueriesPerCta;
+
+  load_tile_sw128<kQueriesPerCta, kThreads>(sQ, p.q, b, h, q0, p.Lq, tid);
+  load_tile_sw128<kQueriesPerCta, kThreads>(sdO, p.dout, b, h, q0, p.Lq, tid);
+  auto load_kv_block = [&](int kb, int stage) {
+    load_tile_sw128<KT, kThreads>(sK + stage * kTileK, p.k, b, h, kb * KT, p.Lkv, tid);
+    load_tile_sw128<KT, kThreads>(sV + stage * kTileK, p.v, b, h, kb * KT, p.Lkv, tid);
+  };
+  load_kv_block(0, 0);
+  cp_async_commit();
+
+  const int row0 = q0 + wg * 64 + wq * 16 + g;  // this lane's queries: row0, row0 + 8
+  const float4* st_bh = p.stats + (static_cast<int64_t>(b) * p.H + h) * p.Lq;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4 st0 = row0 < p.Lq ? st_bh[row0] : zero4;
+  const float4 st1 = row0 + 8 < p.Lq ? st_bh[row0 + 8] : zero4;
+
+  float dq[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
+
+  const uint32_t aQ = smem_u32(sQ), adO = smem_u32(sdO);
+  const int nk = (p.Lkv + KT - 1) / KT;
+  for (int kb = 0; kb < nk; ++kb) {
+    const int stage = kb % kStages;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // also: both warpgroups are done with block kb-1's stage
+    const uint32_t aK = smem_u32(sK + stage * kTileK), aV = smem_u32(sV + stage * kTileK);
+
+    float s[KT / 8][4], dp[KT / 8][4];
+    uint32_t ads[KT / 16][4];  // BF16 A fragments of dQ += dS K
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      wgmma_ss<KT>(flat(s), desc_kmajor(aQ, kQueriesPerCta, wg * 64, kk),
+                   desc_kmajor(aK, KT, 0, kk), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      wgmma_ss<KT>(flat(dp), desc_kmajor(adO, kQueriesPerCta, wg * 64, kk),
+                   desc_kmajor(aV, KT, 0, kk), kk > 0);
+    wgmma_commit();
+    if (kb + 1 < nk) {  // prefetch the next block while the tensor cores run
+      load_kv_block(kb + 1, (kb + 1) % kStages);
+      cp_async_commit();
+    }
+    wgmma_wait<1>();  // S done; dP may still run
+    fence_regs(flat(s));
+
+    const bool key_tail = kb * KT + KT > p.Lkv;
+    float pr[KT / 8][4];  // P (kept apart from the accumulator registers of S)
+#pragma unroll
+    for (int j = 0; j < KT / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float p0 = fast_exp2(fmaf(s[j][e], p.c, -st0.x)) * st0.y;
+        float p1 = fast_exp2(fmaf(s[j][2 + e], p.c, -st1.x)) * st1.y;
+        if (key_tail && kb * KT + j * 8 + 2 * t4 + e >= p.Lkv) p0 = p1 = 0.0f;
+        pr[j][e] = p0;
+        pr[j][2 + e] = p1;
+      }
+    }
+    wgmma_wait<0>();  // dP done
+    fence_regs(flat(dp));
+#pragma unroll
+    for (int j = 0; j < KT / 8; ++j) {
+      ads[j >> 1][(j & 1) * 2] =
+          pack_bf16(pr[j][0] * (dp[j][0] - st0.z), pr[j][1] * (dp[j][1] - st0.z));
+      ads[j >> 1][(j & 1) * 2 + 1] =
+          pack_bf16(pr[j][2] * (dp[j][2] - st1.z), pr[j][3] * (dp[j][3] - st1.z));
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < KT / 16; ++kq)
+      wgmma_m64n128k16_rs<1>(flat(dq), ads[kq], desc_nmajor(aK, KT, kq * 16));
+    wgmma_commit();
+    wgmma_wait<0>();  // see dkdv_wgmma_kernel
+    fence_regs(flat(dq));
+  }
+
+  bf16* dq_base = p.dq.p + b * p.dq.sb + h * p.dq.sh;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int col = n * 8 + 2 * t4;
+    if (row0 < p.Lq)
+      *reinterpret_cast<uint32_t*>(dq_base + static_cast<int64_t>(row0) * p.dq.sl + col) =
+          pack_bf16(dq[n][0] * p.scale, dq[n][1] * p.scale);
+    if (row0 + 8 < p.Lq)
+      *reinterpret_cast<uint32_t*>(dq_base + static_cast<int64_t>(row0 + 8) * p.dq.sl + col) =
+          pack_bf16(dq[n][2] * p.scale, dq[n][3] * p.scale);
+  }
+}
+#endif  // VQAD_ATTN_BWD_WGMMA
+
+// Dynamic shared memory is only guaranteed 16-byte aligned; the swizzle needs 1024.
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+  return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
+}
+
+template <AttnQatBwdPMode MODE>
+__global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const KernelParams p) {
+#ifdef VQAD_ATTN_BWD_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  dkdv_body<MODE>(p, aligned_smem(smem_raw), blockIdx.z, blockIdx.y, blockIdx.x);
+#endif
+}
+
+template <int KT>
+__global__ void __launch_bounds__(kThreads, 1) dq_wgmma_kernel(const KernelParams p) {
+#ifdef VQAD_ATTN_BWD_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  dq_body<KT>(p, aligned_smem(smem_raw), blockIdx.z, blockIdx.y, blockIdx.x);
+#endif
+}
+
+// dK/dV and dQ in one launch: all dK/dV CTAs (the longer ones) come first in
+// the 1-D grid and the dQ CTAs fill the SMs that the last dK/dV wave leaves
+// idle, instead of each launch ending on a partial wave.
+template <AttnQatBwdPMode MODE, int KT>
+__global__ void __launch_bounds__(kThreads, 1) fused_wgmma_kernel(const KernelParams p,
+                                                                 int kv_blocks, int q_blocks) {
+#ifdef VQAD_ATTN_BWD_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = aligned_smem(smem_raw);
+  const int64_t dkdv_ctas = static_cast<int64_t>(p.B) * p.H * kv_blocks;
+  int64_t idx = blockIdx.x;
+  if (idx < dkdv_ctas) {
+    const int blk = static_cast<int>(idx % kv_blocks);
+    idx /= kv_blocks;
+    dkdv_body<MODE>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk);
+  } else {
+    idx -= dkdv_ctas;
+    const int blk = static_cast<int>(idx % q_blocks);
+    idx /= q_blocks;
+    dq_body<KT>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk);
+  }
+#endif
+}
+
+// Keys per block of the dQ kernel (128: fewer, larger S/dP GEMMs).
+int g_dq_key_tile = 128;
+// dK/dV and dQ CTAs in one launch (fused_wgmma_kernel).
+bool g_single_launch = true;
+
+template <typename Kernel>
+void set_smem(Kernel kernel, size_t bytes, const DeviceInfo& dev) {
+  VQAD_CHECK(bytes <= dev.smem_optin_bytes, "attn_qat_bwd (wgmma): needs ", bytes,
+             " bytes of shared memory per block, device ", dev.name, " (sm_", dev.arch(),
+             ") allows ", dev.smem_optin_bytes);
+  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(bytes)));
+}
+
+}  // namespace
+
+void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
+                          cudaStream_t stream) {
+  VQAD_CHECK(dev.arch() == 90, "attn_qat_bwd: the wgmma kernels need sm_90 (built for sm_90a), "
+             "device ", dev.name, " is sm_", dev.arch());
+  const int kv_blocks = (kp.Lkv + kKeysPerCta - 1) / kKeysPerCta;
+  const int q_blocks = (kp.Lq + kQueriesPerCta - 1) / kQueriesPerCta;
+  if (g_single_launch) {
+    const int64_t ctas = static_cast<int64_t>(kp.B) * kp.H * (kv_blocks + q_blocks);
+    VQAD_CHECK(ctas <= 0x7fffffff, "attn_qat_bwd: too many CTAs (", ctas, ")");
+    const size_t smem = std::max(kDkdvSmem, dq_smem(g_dq_key_tile));
+    auto launch = [&](auto kernel) {
+      set_smem(kernel, smem, dev);
+      kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(kp, kv_blocks, q_blocks);
+    };
+    const bool t128 = g_dq_key_tile == 128;
+    switch (mode) {
+      case AttnQatBwdPMode::kConsistent:
+        t128 ? launch(fused_wgmma_kernel<AttnQatBwdPMode::kConsistent, 128>)
+             : launch(fused_wgmma_kernel<AttnQatBwdPMode::kConsistent, 64>);
+        break;
+      case AttnQatBwdPMode::kFastVideo:
+        t128 ? launch(fused_wgmma_kernel<AttnQatBwdPMode::kFastVideo, 128>)
+             : launch(fused_wgmma_kernel<AttnQatBwdPMode::kFastVideo, 64>);
+        break;
+      case AttnQatBwdPMode::kNone:
+        t128 ? launch(fused_wgmma_kernel<AttnQatBwdPMode::kNone, 128>)
+             : launch(fused_wgmma_kernel<AttnQatBwdPMode::kNone, 64>);
+        break;
+    }
+    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd fused_wgmma_kernel");
+    return;
+  }
+  {
+    const dim3 grid(kv_blocks, kp.H, kp.B);
+    auto launch = [&](auto kernel) {
+      set_smem(kernel, kDkdvSmem, dev);
+      kernel<<<grid, kThreads, kDkdvSmem, stream>>>(kp);
+    };
+    switch (mode) {
+      case AttnQatBwdPMode::kConsistent: launch(dkdv_wgmma_kernel<AttnQatBwdPMode::kConsistent>); break;
+      case AttnQatBwdPMode::kFastVideo: launch(dkdv_wgmma_kernel<AttnQatBwdPMode::kFastVideo>); break;
+      case AttnQatBwdPMode::kNone: launch(dkdv_wgmma_kernel<AttnQatBwdPMode::kNone>); break;
+    }
+    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdv_wgmma_kernel");
+  }
+  {
+    const dim3 grid(q_blocks, kp.H, kp.B);
+    auto launch = [&](auto kernel, size_t smem) {
+      set_smem(kernel, smem, dev);
+      kernel<<<grid, kThreads, smem, stream>>>(kp);
+    };
+    if (g_dq_key_tile == 64) {
+      launch(dq_wgmma_kernel<64>, dq_smem(64));
+    } else {
+      launch(dq_wgmma_kernel<128>, dq_smem(128));
+    }
+    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_wgmma_kernel");
+  }
+}
+
+void set_wgmma_single_launch_for_tuning(bool single) { g_single_launch = single; }
+
+void set_dq_key_tile_for_tuning(int key_tile) {
+  VQAD_CHECK(key_tile == 64 || key_tile == 128, "attn_qat_bwd: dQ key tile must be 64 or 128, found ",
+             key_tile);
+  g_dq_key_tile = key_tile;
+}
+
+}  // namespace vqad::kernels::attn_bwd

@@ -1,0 +1,669 @@
+// ATTN_QAT_TRAIN forward (spec/attention.md): one-pass flash attention over the
+// fake-quantized Q^, K^, V^ with P fake-quantized per 16 keys in registers.
+//
+// Tiling: a CTA owns 128 query rows of one (batch, head): two warpgroups of 64 rows,
+// 16 rows per warp. K and V tiles of BLOCK_N = 128 keys stream through shared memory
+// with cp.async double buffering, in the 128-byte-swizzled layout that both wgmma
+// descriptors and conflict-free ldmatrix accept. On sm_90a, S = Q^ K^T is a chain of
+// wgmma m64n128k16 per warpgroup with both operands in shared memory, and both P.V
+// products are wgmmas with P^ / bf16(P) as the register A operand and V read
+// MN-major from shared memory; they run asynchronously while the next 16-key group's
+// exp2 and quantization execute. Other targets compile the same kernel on mma.sync
+// m16n8k16 + ldmatrix (bf16 in, fp32 accumulate either way) but the launcher
+// accepts only sm_90 devices until that build is validated on its hardware.
+//
+// Register layout that makes P quantization cheap: in the m16n8 (and wgmma) S
+// accumulator a quad of 4 lanes holds one row's 8 keys of an n8 slice (2 each), so two
+// adjacent slices give the quad a row's whole 16-key group; the group amax is a max
+// over 4 local values and two quad shuffles. The same registers, packed to bf16, are
+// the A fragment of the P.V product for that k16 step (the FlashAttention identity),
+// so P and P^ never touch shared memory.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "vqad/kernels/attention/attention_qat.h"
+#include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/device.h"
+
+namespace vqad::kernels::attention {
+namespace {
+
+constexpr int kD = kAttnQatHeadDim;
+constexpr int kBM = kAttnQatBlockM;
+constexpr int kWarps = kBM / 16;
+constexpr int kThreads = kWarps * 32;
+// 8 warps of ~255 registers fill the register file: one 128-row CTA or two 64-row
+// CTAs per SM (independent CTAs drift out of phase, overlapping one's softmax with
+// the other's MMAs).
+constexpr int kCtasPerSm = 128 / kBM;
+static_assert(kBM == 64 || kBM == 128, "BLOCK_M must be 64 or 128");
+constexpr int kChunksPerRow = kD * 2 / 16;  // 16-byte chunks of one 128-channel bf16 row
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Shared-memory tile layout, [2][ROWS][64] bf16: the two 64-channel halves of a
+// 128-channel row are stored as separate [ROWS][128 B] blocks, and inside a block the
+// 16-byte chunk index is XORed with row % 8. This is the 128-byte-swizzled K-major
+// layout wgmma reads through a descriptor (8-row atoms of 1024 B), and it keeps the
+// 8 row addresses of every ldmatrix in 8 distinct bank groups.
+template <int ROWS>
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * ROWS * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) * 16));
+}
+
+// wgmma exists only in the arch-specific sm_90a target; other targets (sm_100a,
+// sm_120a builds) compile the mma.sync path of the same kernel.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define VQAD_ATTN_FWD_WGMMA 1
+#else
+#define VQAD_ATTN_FWD_WGMMA 0
+#endif
+
+#if VQAD_ATTN_FWD_WGMMA
+// wgmma shared-memory descriptor for the layout above (K-major, 128-byte swizzle):
+// start address >> 4, leading offset unused (1), stride offset 1024 B between 8-row
+// atoms, swizzle mode 1 (128 B) in bits 62-63.
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Makes this thread's cp.async writes to shared memory visible to the async proxy
+// that wgmma reads through.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// D[64 x N] += A[64 x 16] . B[16 x N] (N = 64 or 128 keys), both operands from shared
+// memory (bf16, fp32 accumulate). Per warp the accumulator is 16 rows x N columns in
+// the same register order as N/8 m16n8 mma.sync accumulators, d[n8 slice][4].
+template <int NT>
+__device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uint64_t desc_b) {
+  static_assert(NT == 8 || NT == 16, "wgmma_ss: N must be 64 or 128");
+  if constexpr (NT == 8) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(desc_a), "l"(desc_b), "r"(1));  // scale-d = 1: accumulate into d
+  } else {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "l"(desc_a), "l"(desc_b), "r"(1));  // scale-d = 1: accumulate into d
+  }
+}
+
+// D[64 x 128] += A[64 x 16] . B[16 x 128] with A from registers (per warp the
+// m16n8k16 A fragment: 16 rows x 16 keys as 4 bf16x2) and B from shared memory in
+// the MN-major orientation (B[k][n] = V[key][channel], channels contiguous): 64-channel
+// halves are the swizzle atoms' columns (leading offset = one half), 8-key groups
+// their rows (stride offset 1024 B).
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// Descriptor of a [2][ROWS][64] tile read MN-major (see wgmma_m64n128k16_rs).
+template <int ROWS>
+__device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((ROWS * 128) >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+#endif  // VQAD_ATTN_FWD_WGMMA
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;  // 0: zero-fill (rows past the sequence end)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// MUFU exp2 (2 ulp, like exp2f) without exp2f's denormal-result fix-up: P below
+// 2^-126 flushes to 0, far under anything bf16(P) . V or the E4M3 scales resolve.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// amax / 6 correctly rounded without the IEEE division routine: a product with
+// RN(1/6) is within an ulp, and one FMA residual correction makes it the correctly
+// rounded quotient for every normal result (Markstein; checked exhaustively over
+// all positive floats: only subnormal quotients differ, and those round to E4M3 0
+// either way).
+__device__ __forceinline__ float div6(float x) {
+  const float c = 1.0f / 6.0f;
+  const float q0 = x * c;
+  const float r = fmaf(-q0, 6.0f, x);
+  return fmaf(r, c, q0);
+}
+
+// (S, RN(1/S)) for every E4M3 byte: a shared-memory lookup replaces the IEEE
+// reciprocal routine per 16-key group. Byte 0 gives (0, inf), the zero block.
+constexpr int kScaleTableBytes = 128 * 8;
+
+// E4M3 bytes (round-to-nearest-even, satfinite) of two non-negative values.
+__device__ __forceinline__ uint32_t e4m3_bytes2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Nearest E2M1 magnitude of a >= 0, ties to the even code, saturating at 6. Adding
+// 2^22 / 2^23 / 2^24 moves a into a binade whose ulp is the grid spacing of
+// [0,2) / [2,4) / [4,6] (0.5 / 1 / 2), so the fp32 adder does the RNE; the even
+// multiple of the spacing is the even code in every binade. NaN and inf give 6.
+__device__ __forceinline__ float e2m1_rne_magnitude(float a) {
+  const float magic = a < 2.0f ? 4194304.0f : (a < 4.0f ? 8388608.0f : 16777216.0f);
+  return fminf(__fsub_rn(__fadd_rn(a, magic), magic), 6.0f);
+}
+
+// P >= 0 and finite. With amax <= 6 * 2^-10 the scale S rounds to 0: inv = inf,
+// every element saturates to 6 (0 * inf = NaN included) and 6 * 0 = +0, which is
+// the spec's zero block without a branch.
+__device__ __forceinline__ float fq_p(float p, float S, float inv) {
+  return e2m1_rne_magnitude(p * inv) * S;
+}
+
+struct Tile {
+  const __nv_bfloat16* base;  // element (b, 0, h, 0)
+  int64_t stride_l;
+  int len;
+};
+
+// Copies rows [row0, row0 + ROWS) x 128 channels to a swizzled smem tile; rows
+// past `len` are zero-filled, so masked keys never feed NaN or garbage into P.V.
+template <int ROWS>
+__device__ __forceinline__ void load_tile(uint32_t smem, const Tile& t, int row0, int tid) {
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static_assert(ROWS % kRowsPerPass == 0, "tile not divisible");
+  int64_t stride = t.stride_l;
+  // Hides the stride's loop invariance: otherwise the compiler keeps one 64-bit
+  // address per chunk live across the whole KV loop and spills.
+  asm volatile("" : "+l"(stride));
+  const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
+  const __nv_bfloat16* src = t.base + static_cast<int64_t>(row0 + r0) * stride + c * 8;
+  const uint32_t dst = smem + swz<ROWS>(r0, c);  // (r0 + 16 i) % 8 == r0 % 8: same swizzle every pass
+#pragma unroll
+  for (int i = 0; i < ROWS / kRowsPerPass; ++i) {
+    const bool valid = row0 + r0 + i * kRowsPerPass < t.len;
+    cp_async16(dst + i * kRowsPerPass * 128, valid ? src : t.base, valid);
+    src += kRowsPerPass * stride;
+  }
+}
+
+template <int BN, bool QUANT_P, bool WGMMA_S, bool WGMMA_PV>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(const AttnQatFwdParams p, float scale_log2) {
+  constexpr int kNT = BN / 8;   // n8 tiles of S per warp
+  constexpr int kKS = BN / 16;  // k16 steps of P.V
+  constexpr int kDT = kD / 8;   // n8 tiles of O
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  // 1024-byte alignment: wgmma's swizzle atoms; also lets the k-step offsets be XORed
+  // into a per-lane base (below).
+  const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sKV0 = sQ + kBM * kD * 2;
+  // (S, 1/S) table after the K/V stages
+  float2* scale_table = reinterpret_cast<float2*>(smem_raw + (sKV0 - smem_addr(smem_raw)) + 4 * BN * kD * 2);
+  constexpr uint32_t kTileBytes = BN * kD * 2;  // one K or V tile
+  // stage s: K at sKV0 + s * 2 * kTileBytes, V right after it
+
+  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int q0 = m_block * kBM;
+
+  using bf = __nv_bfloat16;
+  const Tile tq{static_cast<const bf*>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.l, p.len_q};
+  const Tile tk{static_cast<const bf*>(p.k) + b * p.k_stride.b + h * p.k_stride.h, p.k_stride.l, p.len_kv};
+  const Tile tv{static_cast<const bf*>(p.v) + b * p.v_stride.b + h * p.v_stride.h, p.v_stride.l, p.len_kv};
+
+  if (QUANT_P && tid < 128) {
+    const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
+    scale_table[tid] = make_float2(S, __frcp_rn(S));
+  }
+  load_tile<kBM>(sQ, tq, q0, tid);
+  cp_async_commit();
+  load_tile<BN>(sKV0, tk, 0, tid);
+  load_tile<BN>(sKV0 + kTileBytes, tv, 0, tid);
+  cp_async_commit();
+
+  // ldmatrix.x4 lane roles: lane supplies the row address of matrix lane/8, row lane%8.
+  const int lm = lane >> 3, lr = lane & 7;
+  // A fragment of Q (16 rows x 16 channels): matrices (rows 0-7|8-15) x (k 0-7|8-15),
+  // ordered r0-7/k0-7, r8-15/k0-7, r0-7/k8-15, r8-15/k8-15.
+  // For chunk = 2*kk + c (c in {0,1}) the swizzled offset is
+  // (kk / 4) * ROWS*128 + ((row*128 + ((c ^ lr) * 16)) ^ ((kk % 4) * 32)): one XOR and
+  // an immediate per step on a per-lane base instead of a register per step.
+  const int q_row = warp * 16 + (lm & 1) * 8 + lr;
+  const uint32_t q_lane = sQ + swz<kBM>(q_row, lm >> 1);
+  // B fragments of K for two n8 tiles (16 keys x 16 channels): keys 0-7 k0-7, keys
+  // 0-7 k8-15, keys 8-15 k0-7, keys 8-15 k8-15.
+  const uint32_t k_lane = swz<BN>((lm >> 1) * 8 + lr, lm & 1);
+  // B fragments of V (transposed load) for two n8 tiles of channels: keys 0-7 d0-7,
+  // keys 8-15 d0-7, keys 0-7 d8-15, keys 8-15 d8-15.
+  const uint32_t v_lane = swz<BN>((lm & 1) * 8 + lr, lm >> 1);
+
+  float acc[kDT][4];
+  float acch[QUANT_P ? kDT : 1][4];
+#pragma unroll
+  for (int i = 0; i < kDT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+  if constexpr (QUANT_P) {
+#pragma unroll
+    for (int i = 0; i < kDT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acch[i][e] = 0.0f;
+  }
+  float m_run[2] = {-INFINITY, -INFINITY};
+  // Row sums of bf16(P) come out of the tensor cores: P times an all-ones n8 tile
+  // leaves the row sum in every column ([0] row g, [2] row g + 8), already reduced
+  // over the quad and rescaled together with the accumulators.
+  float lacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const uint32_t ones = 0x3F803F80u;  // two bf16 1.0
+
+  const int n_tiles = (p.len_kv + BN - 1) / BN;
+  for (int j = 0; j < n_tiles; ++j) {
+    cp_async_wait<0>();
+#if VQAD_ATTN_FWD_WGMMA
+    if constexpr (WGMMA_S) fence_proxy_async();
+#endif
+    __syncthreads();  // tile j visible to all; every warp is done with tile j-1's buffer
+    if (j + 1 < n_tiles) {
+      const uint32_t next = sKV0 + ((j + 1) & 1) * 2 * kTileBytes;
+      load_tile<BN>(next, tk, (j + 1) * BN, tid);
+      load_tile<BN>(next + kTileBytes, tv, (j + 1) * BN, tid);
+    }
+    cp_async_commit();
+    const uint32_t sK = sKV0 + (j & 1) * 2 * kTileBytes;
+    const uint32_t k_base = sK + k_lane;
+    const uint32_t sV = sK + kTileBytes;
+    const uint32_t v_base = sV + v_lane;
+
+    // ---- S = Q^ K^T (fp32) ----
+    float s[kNT][4];
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = 0.0f;
+#if VQAD_ATTN_FWD_WGMMA
+    constexpr bool kWgmma = WGMMA_S;
+#else
+    constexpr bool kWgmma = false;
+#endif
+    if constexpr (kWgmma) {
+#if VQAD_ATTN_FWD_WGMMA
+      // Each warpgroup multiplies its 64 query rows by the whole K tile.
+      const uint32_t a_base = sQ + (warp / 4) * 64 * 128;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t koff = (kk & 3) * 32;
+        wgmma_ss(s, wgmma_desc(a_base + (kk >> 2) * kBM * 128 + koff),
+                 wgmma_desc(sK + (kk >> 2) * BN * 128 + koff));
+      }
+      wgmma_commit();
+      wgmma_wait0();
+#endif
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t qa[4];
+        ldmatrix_x4(qa, (q_lane ^ ((kk & 3) * 32)) + (kk >> 2) * kBM * 128);
+#pragma unroll
+        for (int n2 = 0; n2 < kNT / 2; ++n2) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, (k_base ^ ((kk & 3) * 32)) + (kk >> 2) * BN * 128 + n2 * 16 * 128);
+          mma_bf16(s[2 * n2], qa, kb[0], kb[1]);
+          mma_bf16(s[2 * n2 + 1], qa, kb[2], kb[3]);
+        }
+      }
+    }
+
+    // ---- running max (rows g and g + 8 of this warp) ----
+    // Keys past the end exist only in the last tile; a warp-uniform branch keeps the
+    // per-element compares out of every other tile.
+    if ((j + 1) * BN > p.len_kv) {
+      const int key_base = j * BN + 2 * t;
+#pragma unroll
+      for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (key_base + i * 8 + (e & 1) >= p.len_kv) s[i][e] = -INFINITY;
+    }
+    // The max is taken on the raw dot products: x -> RN(x * c) is monotonic for
+    // c > 0, so RN(max * c) is exactly the max of the scaled scores.
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kNT; ++i) {
+      mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    mx0 = fmaxf(m_run[0], mx0 * scale_log2);
+    mx1 = fmaxf(m_run[1], mx1 * scale_log2);
+    // P = exp2(s * c - m') with one FFMA (one rounding fewer than the reference's
+    // separate product and difference; P agrees to an ulp).
+    const float neg0 = -mx0, neg1 = -mx1;
+    const float alpha0 = fast_exp2(m_run[0] - mx0);
+    const float alpha1 = fast_exp2(m_run[1] - mx1);
+    m_run[0] = mx0;
+    m_run[1] = mx1;
+    lacc[0] *= alpha0;
+    lacc[1] *= alpha0;
+    lacc[2] *= alpha1;
+    lacc[3] *= alpha1;
+    // Once the row maxima settle alpha is exactly 1 for the whole warp; skipping the
+    // multiply then changes no bit.
+    if (__any_sync(0xffffffffu, alpha0 != 1.0f || alpha1 != 1.0f)) {
+#pragma unroll
+      for (int i = 0; i < kDT; ++i) {
+        acc[i][0] *= alpha0;
+        acc[i][1] *= alpha0;
+        acc[i][2] *= alpha1;
+        acc[i][3] *= alpha1;
+        if constexpr (QUANT_P) {
+          acch[i][0] *= alpha0;
+          acch[i][1] *= alpha0;
+          acch[i][2] *= alpha1;
+          acch[i][3] *= alpha1;
+        }
+      }
+    }
+
+    // ---- P, P^ and the two P.V products, one 16-key group at a time ----
+#if VQAD_ATTN_FWD_WGMMA
+    constexpr bool kWgmmaPV = WGMMA_PV;
+#else
+    constexpr bool kWgmmaPV = false;
+#endif
+#pragma unroll
+    for (int ks = 0; ks < kKS; ++ks) {
+      // this lane's keys of the group: row g -> p[0..3], row g + 8 -> p[4..7]
+      float pr[8];
+      pr[0] = fast_exp2(fmaf(s[2 * ks][0], scale_log2, neg0));
+      pr[1] = fast_exp2(fmaf(s[2 * ks][1], scale_log2, neg0));
+      pr[2] = fast_exp2(fmaf(s[2 * ks + 1][0], scale_log2, neg0));
+      pr[3] = fast_exp2(fmaf(s[2 * ks + 1][1], scale_log2, neg0));
+      pr[4] = fast_exp2(fmaf(s[2 * ks][2], scale_log2, neg1));
+      pr[5] = fast_exp2(fmaf(s[2 * ks][3], scale_log2, neg1));
+      pr[6] = fast_exp2(fmaf(s[2 * ks + 1][2], scale_log2, neg1));
+      pr[7] = fast_exp2(fmaf(s[2 * ks + 1][3], scale_log2, neg1));
+      uint32_t pa[4];  // A fragment of bf16(P): (g, k0-7), (g+8, k0-7), (g, k8-15), (g+8, k8-15)
+      pa[0] = pack_bf16(pr[0], pr[1]);
+      pa[1] = pack_bf16(pr[4], pr[5]);
+      pa[2] = pack_bf16(pr[2], pr[3]);
+      pa[3] = pack_bf16(pr[6], pr[7]);
+      mma_bf16(lacc, pa, ones, ones);
+      uint32_t qa[4];  // A fragment of bf16(P^) (exact: P^ has <= 6 significant bits)
+      if constexpr (QUANT_P) {
+        float am0 = fmaxf(fmaxf(pr[0], pr[1]), fmaxf(pr[2], pr[3]));
+        float am1 = fmaxf(fmaxf(pr[4], pr[5]), fmaxf(pr[6], pr[7]));
+        am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 1));
+        am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 1));
+        am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 2));
+        am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 2));
+        const uint32_t sb = e4m3_bytes2(div6(am0), div6(am1));
+        const float2 s0 = scale_table[sb & 0x7F];  // (S, 1/S) of row g
+        const float2 s1 = scale_table[(sb >> 8) & 0x7F];
+        qa[0] = pack_bf16(fq_p(pr[0], s0.x, s0.y), fq_p(pr[1], s0.x, s0.y));
+        qa[1] = pack_bf16(fq_p(pr[4], s1.x, s1.y), fq_p(pr[5], s1.x, s1.y));
+        qa[2] = pack_bf16(fq_p(pr[2], s0.x, s0.y), fq_p(pr[3], s0.x, s0.y));
+        qa[3] = pack_bf16(fq_p(pr[6], s1.x, s1.y), fq_p(pr[7], s1.x, s1.y));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qa[e] = pa[e];
+      }
+      if constexpr (kWgmmaPV) {
+#if VQAD_ATTN_FWD_WGMMA
+        // Asynchronous: the tensor cores work on this group while the next group's
+        // exp2 and quantization run. The fence orders the fragment (and, at ks 0,
+        // the rescaled accumulator) register writes before the wgmma reads them.
+        wgmma_fence();
+        const uint64_t dv = wgmma_desc_mn<BN>(sV + ks * 16 * 128);
+        wgmma_m64n128k16_rs(acc, qa, dv);
+        if constexpr (QUANT_P) wgmma_m64n128k16_rs(acch, pa, dv);
+#endif
+      } else {
+#pragma unroll
+        for (int d2 = 0; d2 < kDT / 2; ++d2) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, (v_base ^ ((d2 & 3) * 32)) + (d2 >> 2) * BN * 128 + ks * 16 * 128);
+          mma_bf16(acc[2 * d2], qa, vb[0], vb[1]);
+          mma_bf16(acc[2 * d2 + 1], qa, vb[2], vb[3]);
+          if constexpr (QUANT_P) {
+            mma_bf16(acch[2 * d2], pa, vb[0], vb[1]);
+            mma_bf16(acch[2 * d2 + 1], pa, vb[2], vb[3]);
+          }
+        }
+      }
+    }
+    if constexpr (kWgmmaPV) {
+#if VQAD_ATTN_FWD_WGMMA
+      // acc/acch are rescaled and V's buffer refilled only after this completes.
+      wgmma_commit();
+      wgmma_wait0();
+#endif
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: full row sums, O = acc / l, O_hp = acch / l, m and l ----
+  const float l0 = lacc[0], l1 = lacc[2];
+  const float inv_l0 = 1.0f / l0, inv_l1 = 1.0f / l1;
+  const int row0 = q0 + warp * 16 + g;
+  const int row1 = row0 + 8;
+  const bool ok0 = row0 < p.len_q, ok1 = row1 < p.len_q;
+  bf* o = static_cast<bf*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
+  bf* ohp = p.o_hp ? static_cast<bf*>(p.o_hp) + b * p.o_hp_stride.b + h * p.o_hp_stride.h : nullptr;
+#pragma unroll
+  for (int i = 0; i < kDT; ++i) {
+    const int d = i * 8 + 2 * t;
+    if (ok0) {
+      *reinterpret_cast<uint32_t*>(o + row0 * p.o_stride.l + d) = pack_bf16(acc[i][0] * inv_l0, acc[i][1] * inv_l0);
+    }
+    if (ok1) {
+      *reinterpret_cast<uint32_t*>(o + row1 * p.o_stride.l + d) = pack_bf16(acc[i][2] * inv_l1, acc[i][3] * inv_l1);
+    }
+    if (ohp != nullptr) {
+      const float* src = QUANT_P ? acch[QUANT_P ? i : 0] : acc[i];
+      if (ok0) {
+        *reinterpret_cast<uint32_t*>(ohp + row0 * p.o_hp_stride.l + d) = pack_bf16(src[0] * inv_l0, src[1] * inv_l0);
+      }
+      if (ok1) {
+        *reinterpret_cast<uint32_t*>(ohp + row1 * p.o_hp_stride.l + d) = pack_bf16(src[2] * inv_l1, src[3] * inv_l1);
+      }
+    }
+  }
+  if (t == 0) {
+    const int64_t stat = (static_cast<int64_t>(b) * p.heads + h) * p.len_q;
+    if (p.m != nullptr) {
+      if (ok0) p.m[stat + row0] = m_run[0];
+      if (ok1) p.m[stat + row1] = m_run[1];
+    }
+    if (p.l != nullptr) {
+      if (ok0) p.l[stat + row0] = l0;
+      if (ok1) p.l[stat + row1] = l1;
+    }
+  }
+}
+
+std::string shape_str(const AttnQatFwdParams& p) {
+  return "B=" + std::to_string(p.batch) + " H=" + std::to_string(p.heads) + " Lq=" + std::to_string(p.len_q) +
+         " Lkv=" + std::to_string(p.len_kv) + " D=" + std::to_string(p.head_dim);
+}
+
+void check_strides(const char* name, const void* ptr, const BlhdStrides& s, const AttnQatFwdParams& p) {
+  const std::string where = std::string("attn_qat_fwd: ") + name + " (" + shape_str(p) + ")";
+  if (ptr == nullptr) throw std::runtime_error(where + ": null pointer");
+  if (s.d != 1) throw std::runtime_error(where + ": head-dim stride must be 1, got " + std::to_string(s.d));
+  if (s.b % 8 != 0 || s.l % 8 != 0 || s.h % 8 != 0)
+    throw std::runtime_error(where + ": strides (b=" + std::to_string(s.b) + ", l=" + std::to_string(s.l) +
+                             ", h=" + std::to_string(s.h) + ") must be multiples of 8 elements");
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw std::runtime_error(where + ": pointer not 16-byte aligned");
+}
+
+// S = Q^ K^T through wgmma with both operands in shared memory (sm_90a).
+constexpr bool kUseWgmmaForS = true;
+// P.V through wgmma with P from registers and V from shared memory (sm_90a).
+constexpr bool kUseWgmmaForPV = true;
+
+template <int BN, bool QUANT_P>
+void launch_impl(const AttnQatFwdParams& p, float scale_log2, cudaStream_t stream) {
+  auto kernel = attn_qat_fwd_kernel<BN, QUANT_P, kUseWgmmaForS, kUseWgmmaForPV>;
+  // Q, two K/V stages, the scale table, and room to align the start to 1024 bytes.
+  const int smem = (kBM + 4 * BN) * kD * 2 + kScaleTableBytes + 1024;
+  // Validated on sm_90 (H100/H200) only; other arches would run the untested
+  // mma.sync build of this kernel, so they are refused rather than guessed at.
+  int device = 0, major = 0, minor = 0;
+  VQAD_CUDA_CHECK(cudaGetDevice(&device));
+  VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0) {
+    const DeviceInfo dev = device_info(device);
+    throw std::runtime_error("attn_qat_fwd: no kernel for " + dev.name + " (sm_" + std::to_string(dev.arch()) +
+                             "; this kernel is for sm_90), shape " + shape_str(p));
+  }
+  cudaFuncAttributes attr{};
+  const cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    const DeviceInfo dev = device_info();
+    throw std::runtime_error("attn_qat_fwd: no kernel image for " + dev.name + " (sm_" + std::to_string(dev.arch()) +
+                             "), shape " + shape_str(p) + ": " + cudaGetErrorString(err));
+  }
+  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid((p.len_q + kBM - 1) / kBM, p.heads, p.batch);
+  kernel<<<grid, kThreads, smem, stream>>>(p, scale_log2);
+  VQAD_CUDA_CHECK_LAUNCH("attn_qat_fwd_kernel");
+}
+
+}  // namespace
+
+void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
+  if (p.head_dim != kD)
+    throw std::runtime_error("attn_qat_fwd: head dim " + std::to_string(p.head_dim) + " is not supported (only " +
+                             std::to_string(kD) + "), shape " + shape_str(p));
+  if (p.batch <= 0 || p.heads <= 0 || p.len_q <= 0 || p.len_kv <= 0 || p.heads > 65535 || p.batch > 65535)
+    throw std::runtime_error("attn_qat_fwd: unsupported shape " + shape_str(p) +
+                             " (sizes must be positive; B, H <= 65535)");
+  check_strides("q", p.q, p.q_stride, p);
+  check_strides("k", p.k, p.k_stride, p);
+  check_strides("v", p.v, p.v_stride, p);
+  check_strides("o", p.o, p.o_stride, p);
+  if (p.o_hp != nullptr) check_strides("o_hp", p.o_hp, p.o_hp_stride, p);
+  if (p.quant_p && p.o_hp == nullptr)
+    throw std::runtime_error("attn_qat_fwd: quant_p needs o_hp (the backward's delta uses it), shape " + shape_str(p));
+  // The kernel takes row maxima before scaling, which needs a positive scale.
+  if (!(p.softmax_scale >= 0.0f) || !std::isfinite(p.softmax_scale))
+    throw std::runtime_error("attn_qat_fwd: softmax_scale must be finite and >= 0 (0: 1/sqrt(D)), got " +
+                             std::to_string(p.softmax_scale) + ", shape " + shape_str(p));
+  const float scale = p.softmax_scale != 0.0f ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+  const float scale_log2 = scale * 1.4426950408889634f;
+  if (p.quant_p)
+    launch_impl<kAttnQatBlockN, true>(p, scale_log2, stream);
+  else
+    launch_impl<kAttnQatBlockN, false>(p, scale_log2, stream);
+}
+
+}  // namespace vqad::kernels::attention

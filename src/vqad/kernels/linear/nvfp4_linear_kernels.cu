@@ -1,0 +1,338 @@
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/linear/nvfp4_linear_kernels.h"
+
+namespace vqad::kernels::linear {
+namespace {
+
+constexpr float kGlobalAmaxTarget = 2688.0f;  // 448 * 6
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float to_bf16_value(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float to_bf16_value(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// Loads 8 consecutive elements (16-byte aligned for bf16, 32-byte for fp32) as the
+// fp32 values of their bf16 rounding.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]);
+
+template <>
+__device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, float (&v)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void load8<float>(const float* p, float (&v)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = to_bf16_value(a.x), v[1] = to_bf16_value(a.y), v[2] = to_bf16_value(a.z), v[3] = to_bf16_value(a.w);
+  v[4] = to_bf16_value(b.x), v[5] = to_bf16_value(b.y), v[6] = to_bf16_value(b.z), v[7] = to_bf16_value(b.w);
+}
+
+// Non-negative floats order like their bit patterns, so an integer atomicMax is a
+// float max (fmaxf drops NaN before we get here).
+__device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
+  atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
+}
+
+template <typename T>
+__global__ void bf16_amax_kernel(const T* __restrict__ x, int64_t n, bool vectorized, float* amax_out) {
+  float m = 0.0f;
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t scalar_from = 0;
+  if (vectorized) {
+    const int64_t groups = n / 8;
+    for (int64_t g = tid; g < groups; g += stride) {
+      float v[8];
+      load8<T>(x + g * 8, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
+    }
+    scalar_from = groups * 8;
+  }
+  for (int64_t i = scalar_from + tid; i < n; i += stride) m = fmaxf(m, fabsf(to_bf16_value(x[i])));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  __shared__ float warp_max[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0.0f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (threadIdx.x == 0) atomic_max_nonneg(amax_out, m);
+  }
+}
+
+__device__ __forceinline__ float encode_scale_from_amax(float amax) {
+  return __fdiv_rn(kGlobalAmaxTarget, amax > 1e-12f ? amax : 1e-12f);
+}
+
+__global__ void linear_scales_kernel(const float* amax_x, float act_s_enc, const float* amax_w, float* scales) {
+  const float sx = amax_x ? encode_scale_from_amax(*amax_x) : act_s_enc;
+  const float sw = encode_scale_from_amax(*amax_w);
+  scales[0] = sx;
+  scales[1] = sw;
+  scales[2] = __fmul_rn(__fdiv_rn(1.0f, sx), __fdiv_rn(1.0f, sw));
+  scales[3] = 0.0f;
+}
+
+// E2M1 magnitude of a >= 0 after round-to-nearest-even (ties to the even code),
+// saturating at 6; NaN gives 6 (its block is NaN anyway). Same comparisons as the
+// scalar reference.
+__device__ __forceinline__ float e2m1_round_magnitude(float a) {
+  if (a <= 0.25f) return 0.0f;
+  if (a < 0.75f) return 0.5f;
+  if (a <= 1.25f) return 1.0f;
+  if (a < 1.75f) return 1.5f;
+  if (a <= 2.5f) return 2.0f;
+  if (a < 3.5f) return 3.0f;
+  if (a <= 5.0f) return 4.0f;
+  return 6.0f;
+}
+
+__device__ __forceinline__ float e4m3_rn_satfinite(float v) {
+  const __nv_fp8_storage_t bits = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(bits, __NV_E4M3)));
+}
+
+// Two adjacent lanes share one 16-element block, 8 elements each, so a warp reads
+// 512 contiguous bytes (bf16) per step. Every pair is either fully in range or fully
+// out of range because the number of half-blocks is even and the stride is a
+// multiple of the warp size; all lanes stay in the loop for the shuffles.
+template <typename T>
+__global__ void unit_operand_kernel(const T* __restrict__ x, int64_t half_blocks, const float* s_enc_ptr,
+                                    __nv_bfloat16* __restrict__ out) {
+  const float s_enc = *s_enc_ptr;
+  const float s_dec = __fdiv_rn(1.0f, s_enc);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t loop_end = (half_blocks + 31) / 32 * 32;
+  for (int64_t h = first; h < loop_end; h += stride) {
+    const bool valid = h < half_blocks;
+    float v[8];
+    if (valid) {
+      load8<T>(x + h * 8, v);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    }
+    float amax_b = 0.0f;
+    bool has_nan = false;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      amax_b = fmaxf(amax_b, fabsf(v[i]));
+      has_nan = has_nan || isnan(v[i]);
+    }
+    amax_b = fmaxf(amax_b, __shfl_xor_sync(0xffffffffu, amax_b, 1));
+    has_nan = __shfl_xor_sync(0xffffffffu, int(has_nan), 1) != 0 || has_nan;
+
+    const float S = e4m3_rn_satfinite(__fmul_rn(__fdiv_rn(amax_b, 6.0f), s_enc));
+    float y[8];
+    if (has_nan) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) y[i] = __int_as_float(0x7fc00000);
+    } else if (S == 0.0f) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) y[i] = 0.0f;
+    } else {
+      const float inv = __fdiv_rn(1.0f, __fmul_rn(S, s_dec));
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        // e2m1 * S has at most 6 significant bits: exact in fp32 and in bf16.
+        y[i] = copysignf(e2m1_round_magnitude(__fmul_rn(fabsf(v[i]), inv)) * S, v[i]);
+      }
+    }
+    if (valid) {
+      uint4 packed;
+      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(y[2 * i], y[2 * i + 1]);
+      *reinterpret_cast<uint4*>(out + h * 8) = packed;
+    }
+  }
+}
+
+int grid_for(int64_t work_items) {
+  const int64_t blocks = (work_items + kThreads - 1) / kThreads;
+  return int(std::max<int64_t>(1, std::min<int64_t>(blocks, 8192)));
+}
+
+void check_aligned(const void* p, size_t bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0) {
+    throw std::runtime_error(std::string("nvfp4 linear: ") + what + " is not " + std::to_string(bytes) +
+                             "-byte aligned");
+  }
+}
+
+// --- cuBLASLt ---------------------------------------------------------------------
+void lt_check(cublasStatus_t st, const char* op) {
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    throw std::runtime_error(std::string("cuBLASLt error in ") + op + ": status " + std::to_string(int(st)));
+  }
+}
+#define VQAD_LT_CHECK(expr) lt_check((expr), #expr)
+
+cublasLtHandle_t lt_handle() {
+  static std::mutex mu;
+  static std::vector<cublasLtHandle_t> handles;
+  int device = 0;
+  VQAD_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  if (handles.size() <= size_t(device)) handles.resize(device + 1, nullptr);
+  if (!handles[device]) VQAD_LT_CHECK(cublasLtCreate(&handles[device]));
+  return handles[device];
+}
+
+// Owns the cuBLASLt descriptors of one call.
+struct LtDescs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtDescs() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+}  // namespace
+
+bool kernels_available(int device, std::string* why) {
+  // Device properties are slow to query and cannot change: one check per device.
+  static std::mutex mu;
+  static std::vector<int> state;  // 0 unknown, 1 available, 2 missing
+  static std::vector<std::string> reasons;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device < 0) VQAD_CUDA_CHECK(cudaGetDevice(&device));
+  if (state.size() <= size_t(device)) {
+    state.resize(device + 1, 0);
+    reasons.resize(device + 1);
+  }
+  if (state[device] == 0) {
+    cudaDeviceProp prop{};
+    VQAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    int previous = 0;
+    VQAD_CUDA_CHECK(cudaGetDevice(&previous));
+    VQAD_CUDA_CHECK(cudaSetDevice(device));
+    cudaFuncAttributes attr{};
+    const cudaError_t err = cudaFuncGetAttributes(&attr, unit_operand_kernel<__nv_bfloat16>);
+    VQAD_CUDA_CHECK(cudaSetDevice(previous));
+    if (err == cudaSuccess) {
+      state[device] = 1;
+    } else {
+      (void)cudaGetLastError();
+      state[device] = 2;
+      reasons[device] = std::string("device ") + std::to_string(device) + " (" + prop.name + ", sm_" +
+                        std::to_string(prop.major) + std::to_string(prop.minor) +
+                        ") has no NVFP4 linear kernel in this build (" + cudaGetErrorString(err) +
+                        "); rebuild with its arch in VQAD_CUDA_ARCHS";
+    }
+  }
+  if (state[device] == 2 && why) *why = reasons[device];
+  return state[device] == 1;
+}
+
+void launch_bf16_amax(const void* x, ElemType type, int64_t n, float* amax_out, cudaStream_t stream) {
+  if (n <= 0) return;
+  if (type == ElemType::kBF16) {
+    const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    bf16_amax_kernel<__nv_bfloat16><<<grid_for(vec ? n / 8 + 1 : n), kThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x), n, vec, amax_out);
+  } else {
+    const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    bf16_amax_kernel<float><<<grid_for(vec ? n / 8 + 1 : n), kThreads, 0, stream>>>(static_cast<const float*>(x),
+                                                                                      n, vec, amax_out);
+  }
+  VQAD_CUDA_CHECK_LAUNCH("nvfp4 linear: bf16_amax_kernel");
+}
+
+void launch_linear_scales(const float* amax_x, float act_s_enc, const float* amax_w, float* scales,
+                          cudaStream_t stream) {
+  linear_scales_kernel<<<1, 1, 0, stream>>>(amax_x, act_s_enc, amax_w, scales);
+  VQAD_CUDA_CHECK_LAUNCH("nvfp4 linear: linear_scales_kernel");
+}
+
+void launch_unit_operand(const void* x, ElemType type, int64_t rows, int64_t cols, const float* s_enc,
+                         void* out_bf16, cudaStream_t stream) {
+  if (cols % 16 != 0) {
+    throw std::runtime_error("nvfp4 linear: unit operand needs cols % 16 == 0, got cols=" + std::to_string(cols));
+  }
+  const int64_t half_blocks = rows * cols / 8;
+  if (half_blocks == 0) return;
+  check_aligned(x, 16, "operand input");
+  check_aligned(out_bf16, 16, "operand output");
+  const int grid = grid_for(half_blocks);
+  if (type == ElemType::kBF16) {
+    unit_operand_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x), half_blocks, s_enc, static_cast<__nv_bfloat16*>(out_bf16));
+  } else {
+    unit_operand_kernel<float><<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), half_blocks, s_enc,
+                                                              static_cast<__nv_bfloat16*>(out_bf16));
+  }
+  VQAD_CUDA_CHECK_LAUNCH("nvfp4 linear: unit_operand_kernel");
+}
+
+void gemm_bf16_nt(const void* a, const void* b, const void* bias, void* d, int64_t m, int64_t n, int64_t k,
+                  const float* alpha_beta, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (m == 0 || n == 0) return;
+  // Row-major d[M,N] is column-major d^T[N,M] = b[N,K] . a[M,K]^T; in cuBLASLt terms
+  // A := b (column-major K x N, transposed), B := a (column-major K x M).
+  cublasLtHandle_t handle = lt_handle();
+  LtDescs desc;
+  VQAD_LT_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  const cublasLtPointerMode_t pointer_mode = CUBLASLT_POINTER_MODE_DEVICE;
+  VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode,
+                                               sizeof(pointer_mode)));
+  if (bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    VQAD_LT_CHECK(
+        cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    const cudaDataType_t bias_type = CUDA_R_16BF;
+    VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                 sizeof(bias_type)));
+  }
+  VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, uint64_t(k), uint64_t(n), k));
+  VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, uint64_t(k), uint64_t(m), k));
+  VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_16BF, uint64_t(n), uint64_t(m), n));
+  VQAD_LT_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
+  VQAD_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                     &workspace_bytes, sizeof(workspace_bytes)));
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  VQAD_LT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
+                                               &heuristic, &found));
+  if (found == 0) {
+    throw std::runtime_error("nvfp4 linear: cuBLASLt found no BF16 GEMM algorithm for M=" + std::to_string(m) +
+                             " N=" + std::to_string(n) + " K=" + std::to_string(k));
+  }
+  VQAD_LT_CHECK(cublasLtMatmul(handle, desc.op, alpha_beta, b, desc.a, a, desc.b, alpha_beta + 1, d, desc.d, d,
+                               desc.d, &heuristic.algo, workspace, workspace_bytes, stream));
+}
+
+}  // namespace vqad::kernels::linear

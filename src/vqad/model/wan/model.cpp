@@ -1,0 +1,150 @@
+#include "vqad/model/wan/model.h"
+
+#include <cmath>
+
+#include "vqad/core/error.h"
+#include "vqad/ops/checkpoint.h"
+
+namespace vqad::model {
+
+bool is_vsa_backend(AttentionBackend b) {
+  return b == AttentionBackend::kVsaTrain || b == AttentionBackend::kVsaQatTrainC64 ||
+         b == AttentionBackend::kVsaQatTrainC128;
+}
+
+WanModel::WanModel(const WanConfig& config, const WanModelOptions& options)
+    : config_(config), options_(options), spec_(ops::current_attention_spec()) {
+  config_.validate("Wan model config");
+  if (is_vsa_backend(spec_.backend)) config_.gate_compress = true;
+  set_compute_dtype(options.compute_dtype);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(options.device);
+  const int64_t dim = config_.dim();
+
+  patch_embedding = register_module(
+      "patch_embedding",
+      std::make_shared<PatchEmbedding>(config_.in_channels, dim, config_.patch_size, opts));
+  condition_embedder = register_module(
+      "condition_embedder",
+      std::make_shared<ConditionEmbedder>(dim, config_.freq_dim, config_.text_dim, opts));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    auto b = std::make_shared<WanBlock>(dim, config_.num_attention_heads, config_.ffn_dim,
+                                        config_.eps, config_.gate_compress, opts);
+    blocks->push_back(b);
+    block_list_.push_back(b);
+  }
+  proj_out = register_module(
+      "proj_out",
+      std::make_shared<Linear>(dim, config_.out_channels * config_.patch_volume(), true, opts));
+  scale_shift_table = register_parameter("scale_shift_table", torch::empty({1, 2, dim}, opts));
+  torch::NoGradGuard no_grad;
+  scale_shift_table.normal_(0.0, 1.0 / std::sqrt(static_cast<double>(dim)));
+}
+
+void WanModel::set_compute_dtype(torch::ScalarType dtype) {
+  VQAD_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
+             "Wan model: compute dtype must be float32 or bfloat16, found ", c10::toString(dtype));
+  options_.compute_dtype = dtype;
+}
+
+WanBlock& WanModel::block(int64_t i) {
+  VQAD_CHECK(i >= 0 && i < num_blocks(), "Wan model: block index ", i, " out of range [0, ",
+             num_blocks(), ")");
+  return *block_list_[i];
+}
+
+WanModel::Embedded WanModel::embed(const torch::Tensor& x, const torch::Tensor& timestep,
+                                   const torch::Tensor& text) {
+  const auto cdt = options_.compute_dtype;
+  VQAD_CHECK(x.dim() == 5 && x.size(1) == config_.in_channels, "Wan forward: latents must be [B, ",
+             config_.in_channels, ", T, H, W], found ", x.sizes());
+  const int64_t B = x.size(0);
+  VQAD_CHECK(timestep.dim() == 1 && (timestep.size(0) == B || timestep.size(0) == 1),
+             "Wan forward: timestep must be [B] or [1] with B = ", B, ", found ", timestep.sizes());
+  VQAD_CHECK(text.dim() == 3 && text.size(0) == B && text.size(2) == config_.text_dim,
+             "Wan forward: text embeddings must be [", B, ", Lt, ", config_.text_dim, "], found ",
+             text.sizes());
+  const auto& p = config_.patch_size;
+  VQAD_CHECK(x.size(2) % p[0] == 0 && x.size(3) % p[1] == 0 && x.size(4) % p[2] == 0,
+             "Wan forward: latent [T, H, W] = [", x.size(2), ", ", x.size(3), ", ", x.size(4),
+             "] is not divisible by the patch (", p[0], ", ", p[1], ", ", p[2], ")");
+
+  Embedded out;
+  out.cond.grid = {x.size(2) / p[0], x.size(3) / p[1], x.size(4) / p[2]};
+  out.hidden = patch_embedding->forward(x.to(cdt));
+
+  auto t = timestep.size(0) == B ? timestep : timestep.expand({B});
+  auto sinus = timestep_sinusoid(t.to(x.device()), config_.freq_dim).to(cdt);
+  auto& ce = *condition_embedder;
+  out.cond.temb = ce.time_embedder->forward(sinus);
+  out.cond.time_mod = ce.time_proj->forward(torch::silu(out.cond.temb))
+                          .reshape({B, 6, config_.dim()})
+                          .to(torch::kFloat32);
+  out.cond.context = ce.text_embedder->forward(text.to(cdt));
+  std::tie(out.cond.rope_cos, out.cond.rope_sin) =
+      rope_tables(out.cond.grid, config_.attention_head_dim, config_.rope_theta,
+                  config_.rope_max_seq_len, x.device());
+  return out;
+}
+
+torch::Tensor WanModel::forward_blocks(int64_t begin, int64_t end, torch::Tensor hidden,
+                                       const WanConditioning& cond, std::vector<BlockTaps>* taps) {
+  VQAD_CHECK(0 <= begin && begin <= end && end <= num_blocks(), "Wan model: block range [", begin,
+             ", ", end, ") is not inside [0, ", num_blocks(), "]");
+  const bool ckpt = options_.gradient_checkpointing && torch::GradMode::is_enabled() && !taps;
+  for (int64_t i = begin; i < end; ++i) {
+    WanBlock* blk = block_list_[i].get();
+    if (ckpt) {
+      auto fn = [blk](const std::vector<torch::Tensor>& in) {
+        return blk->forward_tensors(in[0], in[1], in[2], in[3], in[4], nullptr);
+      };
+      hidden = ops::checkpoint(fn, {hidden, cond.time_mod, cond.context, cond.rope_cos, cond.rope_sin},
+                               blk->parameters());
+    } else if (taps) {
+      BlockTaps tap;
+      hidden = blk->forward(hidden, cond, &tap);
+      taps->push_back(std::move(tap));
+    } else {
+      hidden = blk->forward(hidden, cond, nullptr);
+    }
+  }
+  return hidden;
+}
+
+torch::Tensor WanModel::head(const torch::Tensor& hidden, const WanConditioning& cond) {
+  const auto cdt = hidden.scalar_type();
+  auto mod = (scale_shift_table.to(torch::kFloat32) + cond.temb.to(torch::kFloat32).unsqueeze(1))
+                 .chunk(2, 1);
+  const auto &shift = mod[0], &scale = mod[1];
+  auto y = (layer_norm_fp32(hidden, config_.eps) * (1 + scale) + shift).to(cdt);
+  y = proj_out->forward(y);
+  return unpatchify(y, cond.grid, config_.patch_size, config_.out_channels);
+}
+
+torch::Tensor WanModel::forward(const torch::Tensor& x, const torch::Tensor& timestep,
+                                const torch::Tensor& text, std::vector<BlockTaps>* taps) {
+  auto e = embed(x, timestep, text);
+  auto h = forward_blocks(0, num_blocks(), e.hidden, e.cond, taps);
+  return head(h, e.cond);
+}
+
+std::vector<std::pair<std::string, Linear*>> WanModel::named_linears() {
+  std::vector<std::pair<std::string, Linear*>> out;
+  for (const auto& item : named_modules("", /*include_self=*/false)) {
+    if (auto* lin = dynamic_cast<Linear*>(item.value().get())) out.emplace_back(item.key(), lin);
+  }
+  return out;
+}
+
+void WanModel::attach_linear_quant(const std::string& name, std::shared_ptr<ops::LinearQuant> quant) {
+  for (auto& [n, lin] : named_linears()) {
+    if (n == name) {
+      lin->attach_quant(std::move(quant));
+      return;
+    }
+  }
+  fail("Wan model: no linear named '", name,
+       "' (names look like blocks.0.attn1.to_q, blocks.0.ffn.net.0.proj, proj_out)");
+}
+
+}  // namespace vqad::model

@@ -1,0 +1,76 @@
+// Wan2.1 T2V DiT (Diffusers WanTransformer3DModel) as a LibTorch module.
+//
+// The forward is split embed -> blocks -> head so that methods can run a range of blocks
+// (layer reconstruction) with the conditioning computed once. named_parameters() gives the
+// Diffusers keys (825 for 1.3B). The self-attention backend of every block is the one of
+// the AttentionBackendScope active when the model is constructed.
+#pragma once
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "vqad/model/wan/config.h"
+#include "vqad/model/wan/modules.h"
+
+namespace vqad::model {
+
+struct WanModelOptions {
+  torch::Device device = torch::kCPU;         // where the fp32 master parameters live (kMeta: no storage)
+  torch::ScalarType compute_dtype = torch::kBFloat16;  // kBFloat16 or kFloat32
+  bool gradient_checkpointing = false;        // per block, recompute in backward
+};
+
+class WanModel : public torch::nn::Module {
+ public:
+  // The config's gate_compress is forced on when the scope's backend is a VSA backend.
+  explicit WanModel(const WanConfig& config, const WanModelOptions& options = {});
+
+  struct Embedded {
+    torch::Tensor hidden;  // [B, L, dim], compute dtype
+    WanConditioning cond;
+  };
+  // x [B, in_channels, T, H, W], timestep [B] (0..1000 scale), text [B, Lt, text_dim].
+  Embedded embed(const torch::Tensor& x, const torch::Tensor& timestep, const torch::Tensor& text);
+  // Blocks [begin, end). With `taps`, one entry per block run is appended. Checkpointing
+  // applies when enabled, grad mode is on and no taps are requested (taps must stay
+  // differentiable, so tapped blocks keep their activations).
+  torch::Tensor forward_blocks(int64_t begin, int64_t end, torch::Tensor hidden,
+                               const WanConditioning& cond, std::vector<BlockTaps>* taps = nullptr);
+  // Final modulation, proj_out and unpatchify -> [B, out_channels, T, H, W] in the compute dtype.
+  torch::Tensor head(const torch::Tensor& hidden, const WanConditioning& cond);
+  // The whole model: the velocity prediction (noise - x0).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& timestep, const torch::Tensor& text,
+                        std::vector<BlockTaps>* taps = nullptr);
+
+  // Every model::Linear with its Diffusers module name (e.g. "blocks.3.attn1.to_q").
+  std::vector<std::pair<std::string, Linear*>> named_linears();
+  // Attach (or with nullptr detach) a quant to the named linear; unknown names are an error.
+  void attach_linear_quant(const std::string& name, std::shared_ptr<ops::LinearQuant> quant);
+
+  const WanConfig& config() const { return config_; }
+  const WanModelOptions& options() const { return options_; }
+  const ops::AttentionSpec& attention_spec() const { return spec_; }
+  void set_gradient_checkpointing(bool on) { options_.gradient_checkpointing = on; }
+  void set_compute_dtype(torch::ScalarType dtype);
+  int64_t num_blocks() const { return static_cast<int64_t>(block_list_.size()); }
+  WanBlock& block(int64_t i);
+
+  std::shared_ptr<PatchEmbedding> patch_embedding;
+  std::shared_ptr<ConditionEmbedder> condition_embedder;
+  torch::nn::ModuleList blocks;
+  std::shared_ptr<Linear> proj_out;
+  torch::Tensor scale_shift_table;  // [1, 2, dim]
+
+ private:
+  WanConfig config_;
+  WanModelOptions options_;
+  ops::AttentionSpec spec_;
+  std::vector<std::shared_ptr<WanBlock>> block_list_;
+};
+
+bool is_vsa_backend(AttentionBackend b);
+
+}  // namespace vqad::model

@@ -1,0 +1,318 @@
+#include "vqad/numerics/attention_qat_ref.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "vqad/core/error.h"
+#include "vqad/numerics/nvfp4.h"
+
+namespace vqad::attn_qat_ref {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Eight interleaved partial sums: a fixed fp32 summation order that the
+// compiler can vectorize without reassociating (D is a multiple of 16).
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t d = 0; d < n; d += 8)
+    for (int t = 0; t < 8; ++t) acc[t] += a[d + t] * b[d + t];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// Fixed-width inner blocks so -O2's cheap vectorizer needs no runtime
+// alias or remainder checks (n is a multiple of 16).
+inline void axpy(float alpha, const float* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t d = 0; d < n; d += 8)
+    for (int t = 0; t < 8; ++t) y[d + t] += alpha * x[d + t];
+}
+
+int resolve_threads(int requested) {
+  if (requested > 0) return requested;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+// Runs fn(task) for task in [0, n) on up to `threads` threads. Each task is
+// owned by one thread, so results do not depend on the thread count.
+template <typename Fn>
+void parallel_for(int64_t n, int threads, Fn&& fn) {
+  const int workers = static_cast<int>(std::min<int64_t>(threads, n));
+  if (workers <= 1) {
+    for (int64_t t = 0; t < n; ++t) fn(t);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mu;
+  auto work = [&] {
+    try {
+      for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(t);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mu);
+      if (!error) error = std::current_exception();
+      next.store(n);
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(workers - 1);
+  for (int w = 1; w < workers; ++w) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+  if (error) std::rethrow_exception(error);
+}
+
+void check_dims(const Dims& d, const Options& o, const char* what) {
+  VQAD_CHECK(d.batch >= 1 && d.heads >= 1 && d.len_q >= 1 && d.len_kv >= 1, what,
+             ": expected batch, heads, len_q, len_kv >= 1, found B=", d.batch, " H=", d.heads,
+             " Lq=", d.len_q, " Lkv=", d.len_kv);
+  VQAD_CHECK(d.head_dim >= 16 && d.head_dim % 16 == 0, what,
+             ": head_dim must be a positive multiple of 16 (NVFP4 blocks along D), found ",
+             d.head_dim);
+  VQAD_CHECK(o.block_n >= 16 && o.block_n % 16 == 0, what,
+             ": block_n must be a positive multiple of 16 (P is quantized in 16-key groups), found ",
+             o.block_n);
+  VQAD_CHECK(o.softmax_scale >= 0.0f && std::isfinite(o.softmax_scale), what,
+             ": softmax_scale must be finite and >= 0 (0 = 1/sqrt(D)), found ", o.softmax_scale);
+}
+
+void check_view(const ConstView& v, const char* what, const char* name) {
+  VQAD_CHECK(v.data != nullptr, what, ": tensor ", name, " is null");
+}
+
+float softmax_scale(const Dims& d, const Options& o) {
+  return o.softmax_scale > 0.0f ? o.softmax_scale
+                                : 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+}
+
+// Per (b, h) contiguous [L, D] copies: bf16-rounded, fake-quantized along D
+// when `quantize`. Index: ((b * H + h) * L + l) * D.
+std::vector<float> prepare_operand(const Dims& d, ConstView x, int64_t len, bool quantize,
+                                   int threads) {
+  const int64_t D = d.head_dim;
+  std::vector<float> out(static_cast<size_t>(d.batch * d.heads * len * D));
+  parallel_for(d.batch * d.heads, threads, [&](int64_t bh) {
+    const int64_t b = bh / d.heads, h = bh % d.heads;
+    for (int64_t l = 0; l < len; ++l) {
+      const float* src = x.row(b, l, h);
+      float* dst = out.data() + (bh * len + l) * D;
+      for (int64_t c = 0; c < D; ++c) dst[c] = bf16_round(src[c]);
+      if (quantize) nvfp4::fake_quantize(dst, dst, static_cast<size_t>(D), 1.0f);
+    }
+  });
+  return out;
+}
+
+constexpr int64_t kRowsPerTask = 16;
+constexpr int64_t kKeysPerTask = 64;  // multiple of 16: P groups never straddle tasks
+
+}  // namespace
+
+const char* bwd_mode_name(BwdMode m) {
+  switch (m) {
+    case BwdMode::kConsistent: return "consistent";
+    case BwdMode::kFastVideo: return "fastvideo";
+  }
+  return "?";
+}
+
+ConstView contiguous_view(const float* data, int64_t len, int64_t heads, int64_t head_dim) {
+  return {data, len * heads * head_dim, heads * head_dim, head_dim};
+}
+View contiguous_view(float* data, int64_t len, int64_t heads, int64_t head_dim) {
+  return {data, len * heads * head_dim, heads * head_dim, head_dim};
+}
+
+float bf16_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return x;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  float y;
+  std::memcpy(&y, &u, sizeof(y));
+  return y;
+}
+
+void fake_quantize_p_row(const float* x, float* y, int64_t n) {
+  const int64_t full = n / nvfp4::kBlock * nvfp4::kBlock;
+  if (full > 0) nvfp4::fake_quantize(x, y, static_cast<size_t>(full), 1.0f);
+  if (n > full) nvfp4::fake_quantize_partial_block(x + full, y + full, static_cast<int>(n - full), 1.0f);
+}
+
+void forward(const Dims& dims, ConstView q, ConstView k, ConstView v, const Options& opts,
+             View o, View o_hp, float* m_out, float* l_out) {
+  static const char* kWhat = "attention_qat_ref::forward";
+  check_dims(dims, opts, kWhat);
+  check_view(q, kWhat, "q");
+  check_view(k, kWhat, "k");
+  check_view(v, kWhat, "v");
+  VQAD_CHECK(o.data != nullptr, kWhat, ": output o is null");
+  const int threads = resolve_threads(opts.num_threads);
+  const int64_t D = dims.head_dim, Lq = dims.len_q, Lkv = dims.len_kv, H = dims.heads;
+  const float c = softmax_scale(dims, opts) * kLog2e;
+
+  const std::vector<float> qh = prepare_operand(dims, q, Lq, opts.quant_qk, threads);
+  const std::vector<float> kh = prepare_operand(dims, k, Lkv, opts.quant_qk, threads);
+  const std::vector<float> vh = prepare_operand(dims, v, Lkv, opts.quant_v, threads);
+
+  const int64_t row_tasks = (Lq + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_for(dims.batch * H * row_tasks, threads, [&](int64_t task) {
+    const int64_t bh = task / row_tasks, i0 = (task % row_tasks) * kRowsPerTask;
+    const int64_t b = bh / H, h = bh % H;
+    const float* K = kh.data() + bh * Lkv * D;
+    const float* V = vh.data() + bh * Lkv * D;
+    std::vector<float> s(opts.block_n), p(opts.block_n), pq(opts.block_n), acc(D), acch(D);
+    for (int64_t i = i0; i < std::min(Lq, i0 + kRowsPerTask); ++i) {
+      const float* qi = qh.data() + (bh * Lq + i) * D;
+      float m = -std::numeric_limits<float>::infinity();
+      float l = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acch.begin(), acch.end(), 0.0f);
+      for (int64_t j0 = 0; j0 < Lkv; j0 += opts.block_n) {
+        const int64_t n = std::min<int64_t>(opts.block_n, Lkv - j0);
+        float tile_max = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) {
+          s[t] = dot(qi, K + (j0 + t) * D, D) * c;
+          tile_max = std::max(tile_max, s[t]);
+        }
+        const float m_new = std::max(m, tile_max);
+        const float alpha = std::exp2(m - m_new);  // 0 on the first tile (m = -inf)
+        for (int64_t t = 0; t < n; ++t) p[t] = std::exp2(s[t] - m_new);
+        // j0 is a multiple of 16, so the row's 16-key groups are tile-local.
+        if (opts.quant_p) {
+          fake_quantize_p_row(p.data(), pq.data(), n);
+        } else {
+          std::copy(p.begin(), p.begin() + n, pq.begin());
+        }
+        float tile_sum = 0.0f;
+        for (int64_t t = 0; t < n; ++t) tile_sum += bf16_round(p[t]);
+        l = l * alpha + tile_sum;
+        for (int64_t d = 0; d < D; ++d) {
+          acc[d] *= alpha;
+          acch[d] *= alpha;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const float* vj = V + (j0 + t) * D;
+          axpy(bf16_round(pq[t]), vj, acc.data(), D);
+          axpy(bf16_round(p[t]), vj, acch.data(), D);
+        }
+        m = m_new;
+      }
+      float* orow = o.row(b, i, h);
+      for (int64_t d = 0; d < D; ++d) orow[d] = acc[d] / l;
+      if (o_hp.data != nullptr) {
+        float* hrow = o_hp.row(b, i, h);
+        for (int64_t d = 0; d < D; ++d) hrow[d] = acch[d] / l;
+      }
+      if (m_out != nullptr) m_out[bh * Lq + i] = m;
+      if (l_out != nullptr) l_out[bh * Lq + i] = l;
+    }
+  });
+}
+
+void backward(const Dims& dims, ConstView q, ConstView k, ConstView v, ConstView o_hp,
+              ConstView d_o, const float* m_in, const float* l_in, const Options& opts, View dq,
+              View dk, View dv) {
+  static const char* kWhat = "attention_qat_ref::backward";
+  check_dims(dims, opts, kWhat);
+  check_view(q, kWhat, "q");
+  check_view(k, kWhat, "k");
+  check_view(v, kWhat, "v");
+  check_view(o_hp, kWhat, "o_hp");
+  check_view(d_o, kWhat, "do");
+  VQAD_CHECK(m_in != nullptr && l_in != nullptr, kWhat, ": saved row statistics m and l are null");
+  VQAD_CHECK(dq.data != nullptr && dk.data != nullptr && dv.data != nullptr, kWhat,
+             ": an output gradient (dq, dk or dv) is null");
+  const int threads = resolve_threads(opts.num_threads);
+  const int64_t D = dims.head_dim, Lq = dims.len_q, Lkv = dims.len_kv, H = dims.heads;
+  const float scale = softmax_scale(dims, opts);
+  const float c = scale * kLog2e;
+
+  const std::vector<float> qh = prepare_operand(dims, q, Lq, opts.quant_qk, threads);
+  const std::vector<float> kh = prepare_operand(dims, k, Lkv, opts.quant_qk, threads);
+  const std::vector<float> vh = prepare_operand(dims, v, Lkv, opts.quant_v, threads);
+  const std::vector<float> doh = prepare_operand(dims, d_o, Lq, false, threads);
+
+  // delta_i = rowsum(dO_i * O_hp_i): the STE-consistent choice (rowsum(dS) = 0 for O_hp).
+  std::vector<float> delta(static_cast<size_t>(dims.batch * H * Lq));
+  parallel_for(dims.batch * H, threads, [&](int64_t bh) {
+    const int64_t b = bh / H, h = bh % H;
+    for (int64_t i = 0; i < Lq; ++i)
+      delta[bh * Lq + i] = dot(doh.data() + (bh * Lq + i) * D, o_hp.row(b, i, h), D);
+  });
+
+  // dQ: one task per block of query rows.
+  const int64_t row_tasks = (Lq + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_for(dims.batch * H * row_tasks, threads, [&](int64_t task) {
+    const int64_t bh = task / row_tasks, i0 = (task % row_tasks) * kRowsPerTask;
+    const int64_t b = bh / H, h = bh % H;
+    const float* K = kh.data() + bh * Lkv * D;
+    const float* V = vh.data() + bh * Lkv * D;
+    std::vector<float> acc(D);
+    for (int64_t i = i0; i < std::min(Lq, i0 + kRowsPerTask); ++i) {
+      const float* qi = qh.data() + (bh * Lq + i) * D;
+      const float* doi = doh.data() + (bh * Lq + i) * D;
+      const float mi = m_in[bh * Lq + i], li = l_in[bh * Lq + i], di = delta[bh * Lq + i];
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < Lkv; ++j) {
+        const float* kj = K + j * D;
+        const float p = std::exp2(dot(qi, kj, D) * c - mi) / li;
+        const float ds = p * (dot(doi, V + j * D, D) - di);
+        axpy(ds, kj, acc.data(), D);
+      }
+      float* out = dq.row(b, i, h);
+      for (int64_t d = 0; d < D; ++d) out[d] = scale * acc[d];
+    }
+  });
+
+  // dK, dV: one task per block of keys (a multiple of 16 keys, so the P groups
+  // of the dV quantization lie inside one task).
+  const int64_t key_tasks = (Lkv + kKeysPerTask - 1) / kKeysPerTask;
+  parallel_for(dims.batch * H * key_tasks, threads, [&](int64_t task) {
+    const int64_t bh = task / key_tasks, j0 = (task % key_tasks) * kKeysPerTask;
+    const int64_t b = bh / H, h = bh % H;
+    const int64_t n = std::min(kKeysPerTask, Lkv - j0);
+    const float* K = kh.data() + (bh * Lkv + j0) * D;
+    const float* V = vh.data() + (bh * Lkv + j0) * D;
+    std::vector<float> dk_acc(n * D, 0.0f), dv_acc(n * D, 0.0f);
+    std::vector<float> e(n), p(n), pb(n);
+    for (int64_t i = 0; i < Lq; ++i) {
+      const float* qi = qh.data() + (bh * Lq + i) * D;
+      const float* doi = doh.data() + (bh * Lq + i) * D;
+      const float mi = m_in[bh * Lq + i], li = l_in[bh * Lq + i], di = delta[bh * Lq + i];
+      for (int64_t t = 0; t < n; ++t) {
+        e[t] = std::exp2(dot(qi, K + t * D, D) * c - mi);
+        p[t] = e[t] / li;
+        const float ds = p[t] * (dot(doi, V + t * D, D) - di);
+        axpy(ds, qi, dk_acc.data() + t * D, D);
+      }
+      if (!opts.quant_p) {
+        std::copy(p.begin(), p.end(), pb.begin());
+      } else if (opts.bwd_mode == BwdMode::kConsistent) {
+        fake_quantize_p_row(e.data(), pb.data(), n);
+        for (int64_t t = 0; t < n; ++t) pb[t] /= li;
+      } else {
+        fake_quantize_p_row(p.data(), pb.data(), n);
+      }
+      for (int64_t t = 0; t < n; ++t) axpy(pb[t], doi, dv_acc.data() + t * D, D);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      float* dk_row = dk.row(b, j0 + t, h);
+      float* dv_row = dv.row(b, j0 + t, h);
+      for (int64_t d = 0; d < D; ++d) {
+        dk_row[d] = scale * dk_acc[t * D + d];
+        dv_row[d] = dv_acc[t * D + d];
+      }
+    }
+  });
+}
+
+}  // namespace vqad::attn_qat_ref

@@ -1,0 +1,456 @@
+#include "vqad/ops/nvfp4_linear.h"
+
+#include <ATen/Parallel.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "vqad/core/error.h"
+
+#ifdef VQAD_WITH_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "vqad/kernels/linear/nvfp4_linear_kernels.h"
+#endif
+
+namespace vqad::ops {
+namespace {
+
+using nvfp4::ScaleMode;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::string shape_str(const torch::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+// Encode scale of the activation for the static and unit modes (dynamic is computed
+// from the data); `what` names the op in errors.
+float fixed_activation_scale(ScaleMode mode, float act_amax, const char* what) {
+  if (mode == ScaleMode::kUnit) return 1.0f;
+  VQAD_CHECK(mode == ScaleMode::kStatic, what, ": no fixed activation scale for mode ", nvfp4::scale_mode_name(mode));
+  VQAD_CHECK(act_amax > 0.0f && std::isfinite(act_amax), what,
+             ": a static activation scale needs a positive finite amax, got ", act_amax);
+  return nvfp4::encode_scale_from_amax(act_amax);
+}
+
+void check_linear_args(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+  VQAD_CHECK(x.defined() && weight.defined(), "nvfp4_linear: x and weight must be defined");
+  VQAD_CHECK(weight.dim() == 2, "nvfp4_linear: weight must be [N, K], got ", shape_str(weight));
+  VQAD_CHECK(x.dim() >= 1, "nvfp4_linear: x must be [..., K], got a scalar");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  VQAD_CHECK(x.size(-1) == k, "nvfp4_linear: x ", shape_str(x), " does not match weight ", shape_str(weight),
+             " (expected x[..., ", k, "])");
+  VQAD_CHECK(k > 0 && k % nvfp4::kBlock == 0, "nvfp4_linear: K = ", k,
+             " is not a positive multiple of the NVFP4 block (16); x ", shape_str(x), ", weight ", shape_str(weight));
+  const auto xt = x.scalar_type(), wt = weight.scalar_type();
+  VQAD_CHECK(xt == torch::kFloat32 || xt == torch::kBFloat16, "nvfp4_linear: x must be float32 or bfloat16, got ",
+             xt);
+  VQAD_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16,
+             "nvfp4_linear: weight must be float32 or bfloat16, got ", wt);
+  VQAD_CHECK(x.device() == weight.device(), "nvfp4_linear: x is on ", x.device(), " but weight is on ",
+             weight.device());
+  if (bias.defined()) {
+    VQAD_CHECK(bias.dim() == 1 && bias.size(0) == n, "nvfp4_linear: bias must be [", n, "], got ",
+               shape_str(bias));
+    VQAD_CHECK(bias.device() == weight.device(), "nvfp4_linear: bias is on ", bias.device(), " but weight is on ",
+               weight.device());
+  }
+}
+
+std::vector<int64_t> output_shape(const torch::Tensor& x, int64_t n) {
+  std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+  s.back() = n;
+  return s;
+}
+
+// --- CPU forward ----------------------------------------------------------------------
+torch::Tensor forward_cpu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          ScaleMode act_mode, float act_amax) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const torch::Tensor x2 = x.reshape({-1, k});
+  const float s_enc_x = act_mode == ScaleMode::kDynamic ? nvfp4::encode_scale_from_amax(bf16_amax_cpu(x2))
+                                                        : fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
+  const float s_enc_w = nvfp4::encode_scale_from_amax(bf16_amax_cpu(weight));
+  const float alpha = (1.0f / s_enc_x) * (1.0f / s_enc_w);
+  const torch::Tensor xu = nvfp4_unit_operand_cpu(x2, s_enc_x);
+  const torch::Tensor wu = nvfp4_unit_operand_cpu(weight, s_enc_w);
+  torch::Tensor acc = torch::mm(xu, wu.t());  // fp32 accumulation of exact products
+  acc.mul_(alpha);
+  if (bias.defined()) acc.add_(bias.to(torch::kBFloat16).to(torch::kFloat32));
+  return acc.to(torch::kBFloat16).to(x.scalar_type()).reshape(output_shape(x, n));
+}
+
+#ifdef VQAD_WITH_TORCH_CUDA
+namespace kl = vqad::kernels::linear;
+
+kl::ElemType elem_type(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 ? kl::ElemType::kBF16 : kl::ElemType::kF32;
+}
+
+void check_cuda_device(const torch::Tensor& x, const torch::Tensor& weight) {
+  std::string why;
+  VQAD_CHECK(kl::kernels_available(x.get_device(), &why), "nvfp4_linear: x ", shape_str(x), ", weight ",
+             shape_str(weight), ": ", why);
+}
+
+torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                           ScaleMode act_mode, float act_amax) {
+  check_cuda_device(x, weight);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const torch::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const torch::Tensor w2 = weight.contiguous();
+  const int64_t m = x2.size(0);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  const auto f32 = x.options().dtype(torch::kFloat32);
+  // {amax_x, amax_w, s_enc_x, s_enc_w, alpha, beta}
+  torch::Tensor scalars = torch::zeros({8}, f32);
+  float* s = scalars.data_ptr<float>();
+  const bool dynamic = act_mode == ScaleMode::kDynamic;
+  const float act_s_enc = dynamic ? 0.0f : fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
+  if (dynamic) kl::launch_bf16_amax(x2.data_ptr(), elem_type(x2), x2.numel(), s + 0, stream);
+  kl::launch_bf16_amax(w2.data_ptr(), elem_type(w2), w2.numel(), s + 1, stream);
+  kl::launch_linear_scales(dynamic ? s + 0 : nullptr, act_s_enc, s + 1, s + 2, stream);
+  const auto bf16 = x.options().dtype(torch::kBFloat16);
+  torch::Tensor xu = torch::empty({m, k}, bf16);
+  torch::Tensor wu = torch::empty({n, k}, bf16);
+  kl::launch_unit_operand(x2.data_ptr(), elem_type(x2), m, k, s + 2, xu.data_ptr(), stream);
+  kl::launch_unit_operand(w2.data_ptr(), elem_type(w2), n, k, s + 3, wu.data_ptr(), stream);
+  torch::Tensor bias_bf16;
+  if (bias.defined()) bias_bf16 = bias.to(torch::kBFloat16).contiguous();
+  torch::Tensor y = torch::empty({m, n}, bf16);
+  torch::Tensor workspace =
+      torch::empty({static_cast<int64_t>(kl::kGemmWorkspaceBytes)}, x.options().dtype(torch::kUInt8));
+  kl::gemm_bf16_nt(xu.data_ptr(), wu.data_ptr(), bias_bf16.defined() ? bias_bf16.data_ptr() : nullptr,
+                   y.data_ptr(), m, n, k, s + 4, workspace.data_ptr(), kl::kGemmWorkspaceBytes, stream);
+  return y.to(x.scalar_type()).reshape(output_shape(x, n));
+}
+#endif
+
+torch::Tensor forward_any(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          ScaleMode act_mode, float act_amax) {
+  if (x.device().is_cpu()) return forward_cpu(x, weight, bias, act_mode, act_amax);
+#ifdef VQAD_WITH_TORCH_CUDA
+  if (x.device().is_cuda()) return forward_cuda(x, weight, bias, act_mode, act_amax);
+#endif
+  fail("nvfp4_linear: no NVFP4 linear for device ", x.device(), " in this build (x ", shape_str(x), ", weight ",
+       shape_str(weight), ")");
+}
+
+// Forward = the NVFP4 linear; backward = the dense linear's gradients on the saved
+// unquantized x and master weight (straight-through over the whole linear).
+variable_list linear_backward(AutogradContext* ctx, const torch::Tensor& grad, bool has_bias) {
+  const auto saved = ctx->get_saved_variables();
+  const torch::Tensor& x = saved[0];
+  const torch::Tensor& weight = saved[1];
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const torch::Tensor g = grad.reshape({-1, n});
+  const auto gt = g.scalar_type();
+  torch::Tensor dx, dw, db;
+  if (ctx->needs_input_grad(0)) dx = g.mm(weight.to(gt)).reshape(x.sizes()).to(x.scalar_type());
+  if (ctx->needs_input_grad(1)) dw = g.t().mm(x.reshape({-1, k}).to(gt)).to(weight.scalar_type());
+  if (has_bias && ctx->needs_input_grad(2)) db = g.sum(0).to(ctx->saved_data["bias_dtype"].toScalarType());
+  return {dx, dw, db};
+}
+
+// Autograd records every tensor argument of a custom Function, and an undefined one
+// has no device, so the bias-free linear is a Function of its own.
+struct Nvfp4LinearBiasFunction : public torch::autograd::Function<Nvfp4LinearBiasFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
+                               const torch::Tensor& bias, int64_t act_mode, double act_amax) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["bias_dtype"] = bias.scalar_type();
+    return forward_any(x, weight, bias, static_cast<ScaleMode>(act_mode), static_cast<float>(act_amax));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list g = linear_backward(ctx, grads[0], true);
+    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct Nvfp4LinearNoBiasFunction : public torch::autograd::Function<Nvfp4LinearNoBiasFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
+                               int64_t act_mode, double act_amax) {
+    ctx->save_for_backward({x, weight});
+    return forward_any(x, weight, torch::Tensor(), static_cast<ScaleMode>(act_mode), static_cast<float>(act_amax));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list g = linear_backward(ctx, grads[0], false);
+    return {g[0], g[1], torch::Tensor(), torch::Tensor()};
+  }
+};
+
+std::string format_amax(float v) {
+  std::ostringstream os;
+  os.precision(9);
+  os << v;
+  return os.str();
+}
+
+}  // namespace
+
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+  const auto dt = x.scalar_type();
+  return torch::nn::functional::linear(x, weight.to(dt), bias.defined() ? bias.to(dt) : bias);
+}
+
+torch::Tensor nvfp4_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                           nvfp4::ScaleMode act_mode, float act_amax) {
+  check_linear_args(x, weight, bias);
+  if (act_mode != ScaleMode::kDynamic) fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
+  if (bias.defined()) {
+    return Nvfp4LinearBiasFunction::apply(x, weight, bias, static_cast<int64_t>(act_mode),
+                                          static_cast<double>(act_amax));
+  }
+  return Nvfp4LinearNoBiasFunction::apply(x, weight, static_cast<int64_t>(act_mode), static_cast<double>(act_amax));
+}
+
+float bf16_amax_cpu(const torch::Tensor& t) {
+  VQAD_CHECK(t.device().is_cpu(), "bf16_amax_cpu: tensor is on ", t.device());
+  const torch::Tensor v = t.to(torch::kBFloat16).to(torch::kFloat32).contiguous();
+  const float* p = v.data_ptr<float>();
+  const int64_t n = v.numel();
+  // fmax drops NaN; a per-chunk max then a max of the chunks.
+  const int64_t grain = 1 << 16;
+  const int64_t chunks = std::max<int64_t>(1, (n + grain - 1) / grain);
+  std::vector<float> part(chunks, 0.0f);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      float m = 0.0f;
+      const int64_t end = std::min(n, (c + 1) * grain);
+      for (int64_t i = c * grain; i < end; ++i) m = std::fmax(m, std::fabs(p[i]));
+      part[c] = m;
+    }
+  });
+  float m = 0.0f;
+  for (float v2 : part) m = std::fmax(m, v2);
+  return m;
+}
+
+torch::Tensor nvfp4_unit_operand_cpu(const torch::Tensor& x, float s_enc) {
+  VQAD_CHECK(x.device().is_cpu(), "nvfp4_unit_operand_cpu: tensor is on ", x.device());
+  VQAD_CHECK(x.dim() == 2, "nvfp4_unit_operand_cpu: expected [rows, K], got ", shape_str(x));
+  VQAD_CHECK(x.size(1) % nvfp4::kBlock == 0, "nvfp4_unit_operand_cpu: K = ", x.size(1),
+             " is not a multiple of 16");
+  const torch::Tensor v = x.to(torch::kBFloat16).to(torch::kFloat32).contiguous();
+  torch::Tensor out = torch::empty_like(v);
+  const float* src = v.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t blocks = v.numel() / nvfp4::kBlock;
+  at::parallel_for(0, blocks, 1024, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const nvfp4::BlockQuant q = nvfp4::quantize_block(src + b * nvfp4::kBlock, s_enc);
+      const float S = nvfp4::e4m3_decode(q.scale_bits);
+      float* y = dst + b * nvfp4::kBlock;
+      if (q.scale_bits == nvfp4::kE4M3NaN) {
+        for (int i = 0; i < nvfp4::kBlock; ++i) y[i] = std::nanf("");
+      } else {
+        for (int i = 0; i < nvfp4::kBlock; ++i) y[i] = nvfp4::e2m1_decode(q.codes[i]) * S;
+      }
+    }
+  });
+  return out;
+}
+
+#ifdef VQAD_WITH_TORCH_CUDA
+torch::Tensor nvfp4_unit_operand_cuda(const torch::Tensor& x, const torch::Tensor& s_enc) {
+  VQAD_CHECK(x.is_cuda() && s_enc.is_cuda() && s_enc.scalar_type() == torch::kFloat32 && s_enc.numel() >= 1,
+             "nvfp4_unit_operand_cuda: expected GPU x and a fp32 GPU s_enc, got x on ", x.device(), ", s_enc ",
+             s_enc.scalar_type(), " on ", s_enc.device());
+  VQAD_CHECK(x.dim() == 2 && x.size(1) % 16 == 0, "nvfp4_unit_operand_cuda: expected [rows, K % 16 == 0], got ",
+             shape_str(x));
+  VQAD_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+             "nvfp4_unit_operand_cuda: x must be float32 or bfloat16, got ", x.scalar_type());
+  check_cuda_device(x, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor out = torch::empty(xc.sizes(), xc.options().dtype(torch::kBFloat16));
+  kl::launch_unit_operand(xc.data_ptr(), elem_type(xc), xc.size(0), xc.size(1), s_enc.data_ptr<float>(),
+                          out.data_ptr(), at::cuda::getCurrentCUDAStream(x.get_device()).stream());
+  return out;
+}
+
+torch::Tensor bf16_amax_cuda(const torch::Tensor& x) {
+  VQAD_CHECK(x.is_cuda(), "bf16_amax_cuda: tensor is on ", x.device());
+  VQAD_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+             "bf16_amax_cuda: expected float32 or bfloat16, got ", x.scalar_type());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor out = torch::zeros({1}, xc.options().dtype(torch::kFloat32));
+  kl::launch_bf16_amax(xc.data_ptr(), elem_type(xc), xc.numel(), out.data_ptr<float>(),
+                       at::cuda::getCurrentCUDAStream(x.get_device()).stream());
+  return out;
+}
+#endif
+
+// --- Nvfp4DynamicLinear ------------------------------------------------------------------
+torch::Tensor Nvfp4DynamicLinear::forward(const torch::Tensor& x, const torch::Tensor& weight,
+                                          const torch::Tensor& bias) {
+  return nvfp4_linear(x, weight, bias, ScaleMode::kDynamic);
+}
+
+std::string Nvfp4DynamicLinear::describe() const { return "nvfp4 W:dynamic A:dynamic"; }
+
+// --- Nvfp4QadLinear ----------------------------------------------------------------------
+Nvfp4QadLinear::Nvfp4QadLinear(std::string name, nvfp4::ScaleMode act_mode, std::optional<float> input_amax,
+                               bool allow_uncalibrated)
+    : name_(std::move(name)), act_mode_(act_mode) {
+  VQAD_CHECK(act_mode == ScaleMode::kStatic || act_mode == ScaleMode::kUnit, "QAD linear '", name_,
+             "': activation scale must be static or unit, got ", nvfp4::scale_mode_name(act_mode));
+  if (act_mode == ScaleMode::kStatic) {
+    if (input_amax.has_value()) {
+      set_input_amax(*input_amax);
+    } else {
+      VQAD_CHECK(allow_uncalibrated, "QAD linear '", name_,
+                 "': a static activation scale needs a calibrated input amax (none given; calibrate first or "
+                 "allow uncalibrated linears)");
+    }
+  }
+}
+
+void Nvfp4QadLinear::set_input_amax(float amax) {
+  VQAD_CHECK(act_mode_ == ScaleMode::kStatic, "QAD linear '", name_, "': only static linears take an input amax");
+  VQAD_CHECK(amax > 0.0f && std::isfinite(amax), "QAD linear '", name_,
+             "': calibrated input amax must be positive and finite, got ", amax);
+  input_amax_ = amax;
+}
+
+void Nvfp4QadLinear::begin_calibration() {
+  calibrating_ = true;
+  observed_amax_ = torch::Tensor();
+}
+
+float Nvfp4QadLinear::end_calibration() {
+  calibrating_ = false;
+  if (!observed_amax_.defined()) return 0.0f;
+  const float v = observed_amax_.item<float>();
+  observed_amax_ = torch::Tensor();
+  return v;
+}
+
+torch::Tensor Nvfp4QadLinear::forward(const torch::Tensor& x, const torch::Tensor& weight,
+                                      const torch::Tensor& bias) {
+  if (calibrating_) {
+    // abs().amax() propagates NaN, so a NaN activation makes the calibration fail loudly.
+    const torch::Tensor a = x.detach().abs().amax().to(torch::kFloat32);
+    observed_amax_ = observed_amax_.defined() ? torch::maximum(observed_amax_, a) : a;
+    return dense_linear(x, weight, bias);
+  }
+  if (!enabled_) return dense_linear(x, weight, bias);
+  if (act_mode_ == ScaleMode::kStatic) {
+    VQAD_CHECK(input_amax_.has_value(), "QAD linear '", name_,
+               "': static activation scale used before calibration (run a CalibrationScope or load an amax "
+               "table)");
+    return nvfp4_linear(x, weight, bias, ScaleMode::kStatic, *input_amax_);
+  }
+  return nvfp4_linear(x, weight, bias, ScaleMode::kUnit);
+}
+
+std::string Nvfp4QadLinear::describe() const {
+  std::string a = nvfp4::scale_mode_name(act_mode_);
+  if (act_mode_ == ScaleMode::kStatic) {
+    a += input_amax_ ? "(amax=" + format_amax(*input_amax_) + ")" : std::string("(uncalibrated)");
+  }
+  return std::string("nvfp4-qad W:dynamic A:") + a + (enabled_ ? "" : " [disabled]");
+}
+
+void set_qad_enabled(const std::vector<std::shared_ptr<Nvfp4QadLinear>>& layers, bool enabled) {
+  for (const auto& l : layers) l->set_enabled(enabled);
+}
+
+AmaxReducer process_group_max_reducer(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  VQAD_CHECK(group, "process_group_max_reducer: null process group");
+  return [group](torch::Tensor& maxima) {
+    torch::Tensor buf = maxima;
+#ifdef VQAD_WITH_TORCH_CUDA
+    if (group->getBackendName() == "nccl") {
+      buf = maxima.to(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(c10::cuda::current_device())));
+    }
+#endif
+    std::vector<torch::Tensor> tensors{buf};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::MAX;
+    group->allreduce(tensors, opts)->wait();
+    if (!buf.is_same(maxima)) maxima.copy_(buf.cpu());
+  };
+}
+
+// --- CalibrationScope -----------------------------------------------------------------------
+CalibrationScope::CalibrationScope(std::vector<std::shared_ptr<Nvfp4QadLinear>> layers, AmaxReducer reducer,
+                                   bool recalibrate)
+    : reducer_(std::move(reducer)) {
+  for (auto& l : layers) {
+    VQAD_CHECK(l, "CalibrationScope: null linear");
+    if (l->activation_mode() != ScaleMode::kStatic) continue;
+    if (l->input_amax().has_value() && !recalibrate) continue;
+    VQAD_CHECK(!l->calibrating(), "CalibrationScope: linear '", l->name(), "' is already being calibrated");
+    pending_.push_back(l);
+  }
+  // Sorted so that every rank reduces the same vector in the same order.
+  std::sort(pending_.begin(), pending_.end(), [](const auto& a, const auto& b) { return a->name() < b->name(); });
+  for (auto& l : pending_) l->begin_calibration();
+}
+
+CalibrationScope::~CalibrationScope() {
+  if (finished_) return;
+  for (auto& l : pending_) {
+    try {
+      l->end_calibration();
+    } catch (...) {
+      // A device error while reading the observed amax must not escape a destructor;
+      // the linear stays uncalibrated and its first use reports it.
+    }
+  }
+}
+
+std::vector<std::string> CalibrationScope::pending_names() const {
+  std::vector<std::string> names;
+  for (const auto& l : pending_) names.push_back(l->name());
+  return names;
+}
+
+std::map<std::string, float> CalibrationScope::finish() {
+  VQAD_CHECK(!finished_, "CalibrationScope::finish called twice");
+  finished_ = true;
+  std::vector<float> values;
+  for (auto& l : pending_) values.push_back(l->end_calibration());
+  std::map<std::string, float> result;
+  if (pending_.empty()) return result;
+  torch::Tensor maxima = torch::from_blob(values.data(), {static_cast<int64_t>(values.size())}, torch::kFloat32).clone();
+  if (reducer_) {
+    reducer_(maxima);
+    VQAD_CHECK(maxima.numel() == static_cast<int64_t>(values.size()) && maxima.scalar_type() == torch::kFloat32,
+               "CalibrationScope: the reducer changed the maxima tensor (expected ", values.size(), " fp32 values)");
+  }
+  maxima = maxima.cpu().contiguous();
+  const float* m = maxima.data_ptr<float>();
+  std::vector<std::string> empty, bad;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (std::isnan(m[i]) || std::isinf(m[i])) {
+      bad.push_back(pending_[i]->name() + " (" + format_amax(m[i]) + ")");
+    } else if (!(m[i] > 0.0f)) {
+      empty.push_back(pending_[i]->name());
+    }
+  }
+  auto join = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+    return s;
+  };
+  VQAD_CHECK(empty.empty(), "calibration: ", empty.size(), " static linear(s) saw no activation: ", join(empty));
+  VQAD_CHECK(bad.empty(), "calibration: non-finite input amax for ", join(bad));
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    pending_[i]->set_input_amax(m[i]);
+    result[pending_[i]->name()] = m[i];
+  }
+  return result;
+}
+
+}  // namespace vqad::ops

@@ -1,0 +1,147 @@
+// NVFP4 W4A4 linears for QAT (`nvfp4_qat_train`) and QAD (calibrated static / unit
+// activation scales), spec/linear_qat.md and spec/nvfp4.md.
+//
+// Forward, for X [M, K] and W [N, K] both blocked by 16 along K:
+//   Xb = bf16(X), Wb = bf16(W_master)
+//   Xu = e2m1(Xb) * S_x   (unit-scaled dequantized operand, exact in BF16)
+//   Wu = e2m1(Wb) * S_w
+//   y  = bf16( alpha * (Xu . Wu^T) + bf16(b) ),   alpha = (1/s_enc_x) * (1/s_enc_w)
+// which is FQ(X) . FQ(W)^T + b with the two global decode scales folded into one
+// fp32 factor - the same numbers an FP4 tensor-core GEMM produces. The CPU path
+// accumulates in fp32 (torch mm); the CUDA path runs fused quantize-dequantize
+// kernels and a cuBLASLt BF16 GEMM with alpha read from device memory (no host sync).
+// The output has x's dtype (fp32 or bf16; the values are those of the bf16 result).
+//
+// Backward (straight-through over the whole linear, on the saved unquantized X and
+// master W, in the gradient's dtype): dX = dY.W, dW = dY^T.X, db = sum(dY).
+#pragma once
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "vqad/numerics/nvfp4.h"
+#include "vqad/ops/linear_quant.h"
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace vqad::ops {
+
+// The unquantized linear: x W^T + b with W and b cast to x's dtype. Disabled and
+// calibrating QAD linears run exactly this, so it must also be what an
+// unquantized model::Linear computes for them to be bit-identical.
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
+
+// y = NVFP4 linear (see above) with STE backward. Activation scale:
+//   kDynamic: s_enc = 2688 / amax(bf16(x)) recomputed on this call;
+//   kStatic:  s_enc = 2688 / act_amax (act_amax > 0, e.g. calibrated);
+//   kUnit:    s_enc = 1.
+// The weight scale is always dynamic (2688 / amax(bf16(W)) of the current master).
+// x [..., K] (fp32 or bf16), weight [N, K] (fp32 or bf16), bias [N] or undefined,
+// K % 16 == 0, all on one device (CPU, or CUDA on a GPU build).
+torch::Tensor nvfp4_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                           nvfp4::ScaleMode act_mode, float act_amax = 0.0f);
+
+// ---- building blocks (also used by tests and the benchmark) -------------------------
+// max |v| over the values of t after rounding to BF16; NaN elements are ignored (a NaN
+// only poisons its own 16-block), +-inf gives inf.
+float bf16_amax_cpu(const torch::Tensor& t);
+// Unit-scaled dequantized operand of a CPU tensor [R, K] (K % 16 == 0): every value
+// rounded to BF16, then quantized per 16 along K with encode scale s_enc; returns
+// e2m1 * S as fp32 [R, K] (NaN for every element of a block holding a NaN).
+torch::Tensor nvfp4_unit_operand_cpu(const torch::Tensor& x, float s_enc);
+
+#ifdef VQAD_WITH_TORCH_CUDA
+// The CUDA kernel behind nvfp4_unit_operand_cpu: x [R, K] on a GPU (fp32 or bf16),
+// s_enc a 1-element fp32 GPU tensor; returns the bf16 operand [R, K].
+torch::Tensor nvfp4_unit_operand_cuda(const torch::Tensor& x, const torch::Tensor& s_enc);
+// max |bf16(x)| of a GPU tensor (NaN ignored) as a 1-element fp32 GPU tensor.
+torch::Tensor bf16_amax_cuda(const torch::Tensor& x);
+#endif
+
+// ---- LinearQuant implementations -----------------------------------------------------
+// `nvfp4_qat_train`: weight and activation scales dynamic.
+class Nvfp4DynamicLinear : public LinearQuant {
+ public:
+  explicit Nvfp4DynamicLinear(std::string name) : name_(std::move(name)) {}
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) override;
+  std::string describe() const override;
+  const std::string& name() const { return name_; }
+
+ private:
+  std::string name_;
+};
+
+// The QAD linear method: weight dynamic (RTN from the current master weight);
+// activation `static` (calibrated amax) or `unit`.
+class Nvfp4QadLinear : public LinearQuant {
+ public:
+  // act_mode kStatic or kUnit. A static linear needs a positive input_amax unless
+  // allow_uncalibrated (then it must be calibrated before its first quantized use).
+  Nvfp4QadLinear(std::string name, nvfp4::ScaleMode act_mode, std::optional<float> input_amax = std::nullopt,
+                 bool allow_uncalibrated = false);
+
+  // Calibrating: dense path, records max|x|. Disabled: dense path (bit-identical).
+  // Otherwise the NVFP4 linear; a static linear without an amax is an error.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) override;
+  std::string describe() const override;
+
+  const std::string& name() const { return name_; }
+  nvfp4::ScaleMode activation_mode() const { return act_mode_; }
+  std::optional<float> input_amax() const { return input_amax_; }
+  void set_input_amax(float amax);  // positive and finite
+  bool enabled() const { return enabled_; }
+  void set_enabled(bool on) { enabled_ = on; }
+
+  // Used by CalibrationScope.
+  bool calibrating() const { return calibrating_; }
+  void begin_calibration();
+  // Stops recording; returns the max |x| seen (0 when nothing was seen).
+  float end_calibration();
+
+ private:
+  std::string name_;
+  nvfp4::ScaleMode act_mode_;
+  std::optional<float> input_amax_;
+  bool enabled_ = true;
+  bool calibrating_ = false;
+  torch::Tensor observed_amax_;  // fp32 scalar on the activation's device, undefined until seen
+};
+
+void set_qad_enabled(const std::vector<std::shared_ptr<Nvfp4QadLinear>>& layers, bool enabled);
+
+// In-place MAX all-reduce of a 1-D fp32 CPU tensor over every rank.
+using AmaxReducer = std::function<void(torch::Tensor& maxima)>;
+// The reducer for a c10d process group (NCCL groups reduce on the current GPU).
+AmaxReducer process_group_max_reducer(c10::intrusive_ptr<c10d::ProcessGroup> group);
+
+// While alive, the static QAD linears without an amax (all static ones when
+// `recalibrate`) run the dense path and record max|x|. finish() all-reduces the maxima
+// (MAX, through `reducer` when given; single process otherwise), errors naming every
+// linear that saw no activation, and sets the amaxes. Leaving the scope without
+// finish() (e.g. on an exception) only stops the recording: the linears stay uncalibrated.
+class CalibrationScope {
+ public:
+  explicit CalibrationScope(std::vector<std::shared_ptr<Nvfp4QadLinear>> layers, AmaxReducer reducer = {},
+                            bool recalibrate = false);
+  ~CalibrationScope();
+  CalibrationScope(const CalibrationScope&) = delete;
+  CalibrationScope& operator=(const CalibrationScope&) = delete;
+
+  // Module name -> calibrated amax of the linears this scope calibrated.
+  std::map<std::string, float> finish();
+  std::vector<std::string> pending_names() const;
+
+ private:
+  std::vector<std::shared_ptr<Nvfp4QadLinear>> pending_;
+  AmaxReducer reducer_;
+  bool finished_ = false;
+};
+
+}  // namespace vqad::ops

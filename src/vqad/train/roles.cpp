@@ -1,0 +1,114 @@
+#include "vqad/train/roles.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "vqad/core/error.h"
+#include "vqad/core/log.h"
+#include "vqad/model/wan/weights.h"
+#include "vqad/ops/attention.h"
+
+namespace fs = std::filesystem;
+
+namespace vqad::train {
+
+std::vector<torch::Tensor> Role::trainable_parameters() const {
+  std::vector<torch::Tensor> out;
+  for (auto& p : model->parameters())
+    if (p.requires_grad()) out.push_back(p);
+  return out;
+}
+
+std::string wan_model_kind(const model::WanConfig& c) {
+  auto same = [&](const model::WanConfig& ref) {
+    return c.num_attention_heads == ref.num_attention_heads && c.attention_head_dim == ref.attention_head_dim &&
+           c.num_layers == ref.num_layers && c.ffn_dim == ref.ffn_dim && c.text_dim == ref.text_dim;
+  };
+  if (same(model::WanConfig::wan_1_3b())) return "wan-t2v-1.3b";
+  if (same(model::WanConfig::wan_14b())) return "wan-t2v-14b";
+  if (same(model::WanConfig::tiny())) return "wan-t2v-tiny";
+  return "wan-t2v-custom";
+}
+
+static nlohmann::json read_parent_metadata(const std::string& init_from) {
+  for (fs::path p : {fs::path(init_from) / "metadata.json", fs::path(init_from).parent_path() / "metadata.json"}) {
+    if (fs::is_regular_file(p)) {
+      std::ifstream f(p);
+      try {
+        return nlohmann::json::parse(f);
+      } catch (const std::exception& e) {
+        fail(p.string(), ": malformed metadata JSON: ", e.what());
+      }
+    }
+  }
+  return nullptr;
+}
+
+std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_name,
+                                 const RoleBuildOptions& options) {
+  const RoleConfig& rc = run.role(role_name);
+  const std::string key = "models." + role_name;
+  auto role = std::make_shared<Role>();
+  role->name = role_name;
+  role->config = rc;
+  role->grid = FlowMatchGrid(rc.flow_shift);
+
+  model::WanModelOptions mopt;
+  mopt.device = torch::kCPU;  // weights are read on the CPU, then moved
+  mopt.compute_dtype = options.compute_dtype;
+  mopt.gradient_checkpointing = rc.trainable && rc.enable_gradient_checkpointing_type == "full";
+  VQAD_CHECK(rc.enable_gradient_checkpointing_type.empty() || rc.enable_gradient_checkpointing_type == "full",
+             key, ".enable_gradient_checkpointing_type: '", rc.enable_gradient_checkpointing_type,
+             "' is not supported by vqad (valid: full, or unset)");
+
+  {
+    ops::AttentionBackendScope scope(rc.attention_backend);
+    const std::string random_prefix = "random:";
+    if (rc.init_from.rfind(random_prefix, 0) == 0) {
+      const std::string preset = rc.init_from.substr(random_prefix.size());
+      torch::manual_seed(options.seed);
+      model::WanConfig wc;
+      try {
+        wc = model::WanConfig::preset(preset);
+      } catch (const Error& e) {
+        fail(key, ".init_from: '", rc.init_from, "': ", e.what());
+      }
+      role->model = std::make_shared<model::WanModel>(wc, mopt);
+      role->init_kind = "random";
+    } else {
+      VQAD_CHECK(fs::exists(rc.init_from), key, ".init_from: '", rc.init_from,
+                 "' is not a local path (vqad does not download models: give a local Diffusers "
+                 "directory, a vqad export, or random:<tiny|1.3B|14B>)");
+      role->model = model::wan_from_pretrained(rc.init_from, mopt);
+      role->parent_metadata = read_parent_metadata(rc.init_from);
+      role->init_kind = role->parent_metadata.is_null() ? "diffusers" : "vqad_export";
+    }
+  }
+  if (!rc.transformer_override_safetensor.empty() && !rc.disable_custom_init_weights) {
+    log::info(key, ": overriding weights from ", rc.transformer_override_safetensor);
+    model::load_weights(*role->model, model::read_weights(rc.transformer_override_safetensor));
+    auto pm = read_parent_metadata(fs::path(rc.transformer_override_safetensor).parent_path().string());
+    if (!pm.is_null()) {
+      role->parent_metadata = pm;
+      role->init_kind = "vqad_export";
+    }
+  }
+  role->model->to(options.device);
+  for (auto& p : role->model->parameters()) p.set_requires_grad(rc.trainable);
+  role->model->train(rc.trainable);
+
+  role->quant_config.method = model::parse_quant_method(rc.quant_config, key + ".quant_config");
+  if (role->quant_config.enabled()) {
+    std::vector<std::string> names;
+    for (auto& [n, lin] : role->model->named_linears()) names.push_back(n);
+    role->plan = model::build_quant_plan(names, role->quant_config);
+    role->quants = model::apply_quant_plan(*role->model, role->plan, role->quant_config);
+  }
+  log::info(key, ": ", wan_model_kind(role->model->config()), " (", role->init_kind, "), attention ",
+            attention_backend_name(rc.attention_backend), ", linears ",
+            role->plan.empty() ? std::string("dense") : std::to_string(role->plan.entries.size()) + " NVFP4",
+            rc.trainable ? ", trainable" : ", frozen");
+  return role;
+}
+
+}  // namespace vqad::train

@@ -1,0 +1,48 @@
+// Roles: the models a method trains or consults (student, teacher, critic), each
+// built from models.<role> inside its own attention-backend scope and quant plan.
+#pragma once
+#include <torch/torch.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "vqad/model/quant_plan.h"
+#include "vqad/model/wan/model.h"
+#include "vqad/train/config.h"
+#include "vqad/train/flow_matching.h"
+
+namespace vqad::train {
+
+struct Role {
+  std::string name;
+  RoleConfig config;
+  std::shared_ptr<model::WanModel> model;
+  FlowMatchGrid grid;
+  model::QuantConfig quant_config;
+  model::QuantPlan plan;  // empty for dense roles
+  std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> quants;
+  std::string init_kind;            // "random" | "diffusers" | "vqad_export"
+  nlohmann::json parent_metadata;   // metadata.json of a vqad export init_from (else null)
+
+  std::vector<torch::Tensor> trainable_parameters() const;
+};
+
+struct RoleBuildOptions {
+  torch::Device device = torch::kCPU;
+  torch::ScalarType compute_dtype = torch::kBFloat16;
+  uint64_t seed = 0;   // random init: torch::manual_seed(seed) right before construction
+};
+
+// init_from: a local Diffusers model directory (or its transformer/ directory), a vqad
+// export, or "random:<tiny|1.3B|14B>" for a freshly initialized model. Hub ids are
+// not downloaded: a non-existent path is an error naming models.<role>.init_from.
+std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_name,
+                                 const RoleBuildOptions& options);
+
+// Wan model kind for metadata: "wan-t2v-1.3b", "wan-t2v-14b", or "wan-t2v-custom".
+std::string wan_model_kind(const model::WanConfig& c);
+
+}  // namespace vqad::train

@@ -1,0 +1,206 @@
+// GPU tests of the NVFP4 linear's CUDA path against its CPU reference: amax and the
+// unit-scaled operand bit for bit, the cuBLASLt GEMM with a device alpha, the whole
+// forward (dynamic / static / unit) and the straight-through backward. Outputs the
+// kernels write are NaN-poisoned first; shapes are not multiples of any tile.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "vqad/ops/nvfp4_linear.h"
+
+#ifdef VQAD_WITH_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+
+#include "vqad/kernels/linear/nvfp4_linear_kernels.h"
+
+namespace {
+
+using vqad::nvfp4::ScaleMode;
+namespace kl = vqad::kernels::linear;
+
+#define REQUIRE_GPU()                                                   \
+  do {                                                                  \
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+torch::Tensor heavy_tailed(std::vector<int64_t> shape, uint64_t seed) {
+  torch::manual_seed(seed);
+  return torch::randn(shape) * torch::exp(torch::randn(shape) * 1.5);
+}
+
+cudaStream_t stream() { return at::cuda::getCurrentCUDAStream().stream(); }
+
+// Bitwise equality of two fp32 tensors where NaN == NaN.
+void expect_bitwise_equal(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
+  const torch::Tensor g = got.to(torch::kCPU, torch::kFloat32).contiguous();
+  const torch::Tensor w = want.to(torch::kCPU, torch::kFloat32).contiguous();
+  ASSERT_EQ(g.numel(), w.numel()) << what;
+  int bad = 0;
+  for (int64_t i = 0; i < g.numel(); ++i) {
+    const float a = g.data_ptr<float>()[i], b = w.data_ptr<float>()[i];
+    uint32_t ab, bb;
+    std::memcpy(&ab, &a, 4);
+    std::memcpy(&bb, &b, 4);
+    const bool same = (std::isnan(a) && std::isnan(b)) || ab == bb;
+    if (!same && ++bad <= 5) ADD_FAILURE() << what << " element " << i << ": got " << a << ", want " << b;
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+TEST(Nvfp4LinearCuda, AmaxMatchesCpu) {
+  REQUIRE_GPU();
+  for (int64_t n : {1, 7, 1000, 4097, 1 << 20}) {
+    torch::Tensor x = heavy_tailed({n}, 100 + n);
+    if (n > 10) x.index_put_({3}, std::numeric_limits<float>::quiet_NaN());
+    for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
+      const torch::Tensor xd = x.to(dt);
+      const float want = vqad::ops::bf16_amax_cpu(xd);
+      EXPECT_EQ(vqad::ops::bf16_amax_cuda(xd.cuda()).item<float>(), want) << "n=" << n << " " << dt;
+      // Misaligned start: the scalar path.
+      if (n > 2) {
+        EXPECT_EQ(vqad::ops::bf16_amax_cuda(xd.cuda().narrow(0, 1, n - 1)).item<float>(),
+                  vqad::ops::bf16_amax_cpu(xd.narrow(0, 1, n - 1)))
+            << "n=" << n << " " << dt;
+      }
+    }
+  }
+}
+
+TEST(Nvfp4LinearCuda, UnitOperandBitExactAgainstCpu) {
+  REQUIRE_GPU();
+  const int64_t rows = 333, cols = 80;  // 5 blocks per row, odd row count
+  torch::Tensor x = heavy_tailed({rows, cols}, 7);
+  x.index_put_({0, torch::indexing::Slice(0, 16)}, 0.0f);
+  x.index_put_({1, 17}, std::numeric_limits<float>::quiet_NaN());
+  x.index_put_({2, 40}, std::numeric_limits<float>::infinity());
+  x.index_put_({3, torch::indexing::Slice(32, 48)}, -1e-30f);
+  x.index_put_({4, torch::indexing::Slice(48, 64)}, 1e6f);
+  for (float s_enc : {1.0f, 2688.0f / 37.0f, 2688.0f / 1e6f, 2688.0f / 1e-3f}) {
+    for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
+      const torch::Tensor xd = x.to(dt).cuda();
+      torch::Tensor out = torch::full({rows, cols}, std::numeric_limits<float>::quiet_NaN(),
+                                      xd.options().dtype(torch::kBFloat16));
+      torch::Tensor s = torch::full({1}, s_enc, xd.options().dtype(torch::kFloat32));
+      kl::launch_unit_operand(xd.data_ptr(), dt == torch::kBFloat16 ? kl::ElemType::kBF16 : kl::ElemType::kF32,
+                              rows, cols, s.data_ptr<float>(), out.data_ptr(), stream());
+      const torch::Tensor want = vqad::ops::nvfp4_unit_operand_cpu(x.to(dt), s_enc);
+      expect_bitwise_equal(out, want, "unit operand s_enc=" + std::to_string(s_enc));
+      expect_bitwise_equal(vqad::ops::nvfp4_unit_operand_cuda(xd, s), want, "nvfp4_unit_operand_cuda");
+    }
+  }
+}
+
+TEST(Nvfp4LinearCuda, GemmWithDeviceAlphaMatchesCpu) {
+  REQUIRE_GPU();
+  const int64_t m = 301, n = 77, k = 96;
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  for (bool with_bias : {false, true}) {
+    const torch::Tensor a = vqad::ops::nvfp4_unit_operand_cpu(heavy_tailed({m, k}, 8), 2688.0f / 50.0f);
+    const torch::Tensor b = vqad::ops::nvfp4_unit_operand_cpu(heavy_tailed({n, k}, 9), 2688.0f / 20.0f);
+    const torch::Tensor bias = torch::randn({n}).to(torch::kBFloat16);
+    const float alpha = (1.0f / (2688.0f / 50.0f)) * (1.0f / (2688.0f / 20.0f));
+    torch::Tensor ab = torch::tensor({alpha, 0.0f}).cuda();
+    torch::Tensor d = torch::full({m, n}, std::numeric_limits<float>::quiet_NaN(), bf16);
+    torch::Tensor ws = torch::empty({int64_t(kl::kGemmWorkspaceBytes)}, bf16.dtype(torch::kUInt8));
+    const torch::Tensor ag = a.to(bf16), bg = b.to(bf16), biasg = bias.cuda();
+    kl::gemm_bf16_nt(ag.data_ptr(), bg.data_ptr(), with_bias ? biasg.data_ptr() : nullptr, d.data_ptr(), m, n, k,
+                     ab.data_ptr<float>(), ws.data_ptr(), kl::kGemmWorkspaceBytes, stream());
+    torch::Tensor want = torch::mm(a, b.t()) * alpha;
+    if (with_bias) want = want + bias.to(torch::kFloat32);
+    const torch::Tensor got = d.cpu().to(torch::kFloat32);
+    EXPECT_FALSE(torch::isnan(got).any().item<bool>());
+    // One bf16 rounding of the result plus fp32 accumulation-order noise.
+    const torch::Tensor tol =
+        want.abs() * std::ldexp(1.0, -8) + std::ldexp(double(k), -23) * torch::mm(a.abs(), b.abs().t()) * alpha;
+    EXPECT_TRUE(((got - want).abs() <= tol).all().item<bool>())
+        << "bias=" << with_bias << " max err " << (got - want).abs().max().item<float>();
+  }
+}
+
+TEST(Nvfp4LinearCuda, ForwardMatchesCpuReference) {
+  REQUIRE_GPU();
+  const torch::Tensor x = heavy_tailed({3, 101, 160}, 10);  // M = 303
+  const torch::Tensor w = heavy_tailed({83, 160}, 11) * 0.03;
+  const torch::Tensor b = torch::randn({83});
+  for (auto mode : {ScaleMode::kDynamic, ScaleMode::kStatic, ScaleMode::kUnit}) {
+    for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
+      for (bool with_bias : {true, false}) {
+        const torch::Tensor xd = x.to(dt);
+        const torch::Tensor bb = with_bias ? b : torch::Tensor();
+        const torch::Tensor cpu = vqad::ops::nvfp4_linear(xd, w, bb, mode, 6.5f);
+        const torch::Tensor gpu = vqad::ops::nvfp4_linear(xd.cuda(), w.cuda(), with_bias ? b.cuda() : bb, mode, 6.5f);
+        ASSERT_EQ(gpu.sizes(), cpu.sizes());
+        ASSERT_EQ(gpu.scalar_type(), dt);
+        const torch::Tensor g = gpu.cpu().to(torch::kFloat32), c = cpu.to(torch::kFloat32);
+        EXPECT_FALSE(torch::isnan(g).any().item<bool>());
+        // Both are bf16(alpha * acc + b); they differ only in the fp32 accumulation
+        // order, so at most by one bf16 ulp where a sum lands near a rounding boundary.
+        const torch::Tensor tol = c.abs() * std::ldexp(1.0, -7) + 1e-5 * c.abs().max();
+        const double frac_exact = (g == c).to(torch::kFloat64).mean().item<double>();
+        EXPECT_TRUE(((g - c).abs() <= tol).all().item<bool>())
+            << vqad::nvfp4::scale_mode_name(mode) << " " << dt << " max err " << (g - c).abs().max().item<float>();
+        EXPECT_GT(frac_exact, 0.9) << vqad::nvfp4::scale_mode_name(mode) << " " << dt;
+      }
+    }
+  }
+}
+
+TEST(Nvfp4LinearCuda, WanShapeRowsMatchCpuReference) {
+  REQUIRE_GPU();
+  // The FFN shapes of Wan 1.3B, checked on a slice of rows (static activation scale so
+  // that the slice and the whole tensor share the scale).
+  for (auto [k, n] : {std::pair<int64_t, int64_t>{1536, 8960}, {8960, 1536}}) {
+    const int64_t m = 31200;
+    torch::manual_seed(k);
+    const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+    const torch::Tensor x = torch::randn({m, k}, cuda.dtype(torch::kBFloat16));
+    const torch::Tensor w = torch::randn({n, k}, cuda) * 0.02;
+    const torch::Tensor b = torch::randn({n}, cuda);
+    const torch::Tensor y = vqad::ops::nvfp4_linear(x, w, b, ScaleMode::kStatic, 3.0f);
+    const torch::Tensor rows = torch::tensor({0L, 1L, 127L, 128L, 4095L, 31071L, 31199L});
+    const torch::Tensor cpu = vqad::ops::nvfp4_linear(x.index_select(0, rows.cuda()).cpu(), w.cpu(), b.cpu(),
+                                                      ScaleMode::kStatic, 3.0f);
+    const torch::Tensor g = y.index_select(0, rows.cuda()).cpu().to(torch::kFloat32), c = cpu.to(torch::kFloat32);
+    const torch::Tensor tol = c.abs() * std::ldexp(1.0, -7) + 1e-5 * c.abs().max();
+    EXPECT_TRUE(((g - c).abs() <= tol).all().item<bool>()) << "K=" << k << " N=" << n;
+    // Dynamic: the activation amax over all 31200 rows is the CPU one.
+    EXPECT_EQ(vqad::ops::bf16_amax_cuda(x).item<float>(), vqad::ops::bf16_amax_cpu(x.cpu()));
+  }
+}
+
+TEST(Nvfp4LinearCuda, BackwardIsTheDenseLinearBackward) {
+  REQUIRE_GPU();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const torch::Tensor x0 = torch::randn({2, 55, 64}, cuda.dtype(torch::kBFloat16));
+  const torch::Tensor w0 = torch::randn({40, 64}, cuda);
+  const torch::Tensor b0 = torch::randn({40}, cuda);
+  auto leaf = [](const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+  torch::Tensor xq = leaf(x0), wq = leaf(w0), bq = leaf(b0), xd = leaf(x0), wd = leaf(w0), bd = leaf(b0);
+  const torch::Tensor yq = vqad::ops::nvfp4_linear(xq, wq, bq, ScaleMode::kDynamic);
+  const torch::Tensor yd = vqad::ops::dense_linear(xd, wd, bd);
+  const torch::Tensor g = torch::randn(yq.sizes(), cuda).to(yq.scalar_type());
+  yq.backward(g);
+  yd.backward(g);
+  EXPECT_TRUE(torch::equal(xq.grad(), xd.grad()));
+  EXPECT_TRUE(torch::equal(wq.grad(), wd.grad()));
+  EXPECT_TRUE(torch::equal(bq.grad(), bd.grad()));
+  EXPECT_FALSE(torch::equal(yq, yd));
+}
+
+TEST(Nvfp4LinearCuda, DisabledQadLinearIsDenseOnGpu) {
+  REQUIRE_GPU();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const torch::Tensor x = torch::randn({77, 48}, cuda.dtype(torch::kBFloat16));
+  const torch::Tensor w = torch::randn({33, 48}, cuda), b = torch::randn({33}, cuda);
+  vqad::ops::Nvfp4QadLinear lin("blocks.0.ffn.net.2", ScaleMode::kStatic, 2.0f);
+  const torch::Tensor q = lin.forward(x, w, b);
+  lin.set_enabled(false);
+  EXPECT_TRUE(torch::equal(lin.forward(x, w, b), vqad::ops::dense_linear(x, w, b)));
+  EXPECT_FALSE(torch::equal(q, vqad::ops::dense_linear(x, w, b)));
+}
+
+}  // namespace
+#endif  // VQAD_WITH_TORCH_CUDA
