@@ -22,16 +22,33 @@ say() { printf '[bootstrap] %s\n' "$*"; }
 t0=$(date +%s)
 
 # --- 1. system packages -------------------------------------------------------
+# Each package is probed by what vqad needs from it (a command or a header), so a
+# machine that has the tool from elsewhere (e.g. cmake from pip) installs nothing.
+have() {
+  case "$1" in
+    build-essential) command -v g++ >/dev/null && command -v make >/dev/null ;;
+    cmake) command -v cmake >/dev/null ;;
+    ninja-build) command -v ninja >/dev/null ;;
+    ccache) command -v ccache >/dev/null ;;
+    git) command -v git >/dev/null ;;
+    python3) command -v python3 >/dev/null ;;
+    python3-venv) python3 -c 'import venv, ensurepip' >/dev/null 2>&1 ;;
+    libyaml-cpp-dev) [ -f /usr/include/yaml-cpp/yaml.h ] ;;
+    nlohmann-json3-dev) [ -f /usr/include/nlohmann/json.hpp ] ;;
+    libcli11-dev) [ -f /usr/include/CLI/CLI.hpp ] ;;
+    libgtest-dev) [ -f /usr/include/gtest/gtest.h ] ;;
+    *) dpkg -s "$1" >/dev/null 2>&1 ;;
+  esac
+}
 PKGS="build-essential cmake ninja-build ccache git python3 python3-venv libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libgtest-dev"
 missing=""
-if command -v dpkg >/dev/null 2>&1; then
-  for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
-fi
+for p in $PKGS; do have "$p" || missing="$missing $p"; done
 if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     say "installing system packages:$missing"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null; }; then
+      say "warning: could not install:$missing (configuration below fails clearly if one is required)"
+    fi
   else
     say "warning: missing system packages:$missing (not root or no apt-get; continuing)"
   fi

@@ -36,12 +36,11 @@ run_ctest() {  # label-args name
   fi
 }
 run_ctest gpu-tests -L gpu
-[ "${VQAD_GPU_CPU_TESTS:-1}" = 1 ] && run_ctest cpu-tests -LE gpu -j8
 
 if [ "${VQAD_GPU_BENCH:-1}" = 1 ]; then
-  for b in quant linear attention; do
+  for b in ${VQAD_GPU_BENCHES:-quant linear attention step}; do
     if "$B/vqad" bench "$b" --help > /dev/null 2>&1; then
-      if "$B/vqad" bench "$b" --out "$RESULTS/bench_$b" > "$RESULTS/bench_$b.txt" 2>&1; then
+      if timeout "${VQAD_BENCH_TIMEOUT:-300}" "$B/vqad" bench "$b" --out "$RESULTS/bench_$b" > "$RESULTS/bench_$b.txt" 2>&1; then
         row "bench $b" ok "$RESULTS/bench_$b.txt"
       else
         row "bench $b" FAIL "$(tail -1 "$RESULTS/bench_$b.txt")"
@@ -52,6 +51,7 @@ if [ "${VQAD_GPU_BENCH:-1}" = 1 ]; then
     fi
   done
 fi
+[ "${VQAD_GPU_CPU_TESTS:-1}" = 1 ] && run_ctest cpu-tests -LE gpu -j"$(nproc)"
 echo
 echo "== vqad gpu_check ($(( $(date +%s) - t0 )) s) =="
 printf '%s\n' "${ROWS[@]}"

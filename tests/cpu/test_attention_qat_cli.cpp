@@ -80,8 +80,9 @@ TEST(AttnQatCli, MatchesOpForwardAndBackward) {
   }
 
   // The dense comparison backend: close to float64 attention on the bf16 inputs.
+  vqad::io::save_safetensors((dir / "in_nodo.safetensors").string(), {{"q", q}, {"k", k}, {"v", v}});
   const fs::path out = dir / "dense.safetensors";
-  const CliResult r = run_vqad("op attention " + (dir / "in.safetensors").string() + " " +
+  const CliResult r = run_vqad("op attention " + (dir / "in_nodo.safetensors").string() + " " +
                                    out.string() + " --backend TORCH_SDPA",
                                dir);
   ASSERT_EQ(r.rc, 0) << r.output;

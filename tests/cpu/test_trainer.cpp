@@ -96,7 +96,7 @@ TEST_F(TrainerFixture, QatStudentTrainsAndExportLoadsBitExact) {
   train::Trainer trainer(run, quiet());
   auto s = trainer.run();
   ASSERT_EQ(s.checkpoints.size(), 1u);
-  EXPECT_EQ(trainer.roles().at("student")->plan.entries.size(), 16u);  // 2 blocks x 8 linears
+  EXPECT_EQ(trainer.roles().at("student")->plan.entries.size(), 20u);  // 2 blocks x (self 4 + cross 4 + ffn 2)
   const auto exp = (root / "export").string();
   train::export_checkpoint(s.checkpoints.back(), exp);
   model::WanModelOptions mo;

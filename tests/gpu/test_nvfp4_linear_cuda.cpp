@@ -148,6 +148,20 @@ TEST(Nvfp4LinearCuda, ForwardMatchesCpuReference) {
   }
 }
 
+TEST(Nvfp4LinearCuda, MisalignedViewsMatchCpuReference) {
+  REQUIRE_GPU();
+  // A view starting one element into its storage is not 16-byte aligned.
+  const int64_t m = 45, k = 64, n = 29;
+  const torch::Tensor flat = heavy_tailed({m * k + 1}, 12).to(torch::kBFloat16);
+  const torch::Tensor x = flat.cuda().narrow(0, 1, m * k).view({m, k});
+  const torch::Tensor w = heavy_tailed({n, k}, 13);
+  const torch::Tensor gpu = vqad::ops::nvfp4_linear(x, w.cuda(), torch::Tensor(), ScaleMode::kDynamic);
+  const torch::Tensor cpu = vqad::ops::nvfp4_linear(x.cpu(), w, torch::Tensor(), ScaleMode::kDynamic);
+  const torch::Tensor g = gpu.cpu().to(torch::kFloat32), c = cpu.to(torch::kFloat32);
+  EXPECT_TRUE(((g - c).abs() <= c.abs() * std::ldexp(1.0, -7) + 1e-5 * c.abs().max()).all().item<bool>());
+  EXPECT_EQ(vqad::ops::bf16_amax_cuda(x).item<float>(), vqad::ops::bf16_amax_cpu(x.cpu()));
+}
+
 TEST(Nvfp4LinearCuda, WanShapeRowsMatchCpuReference) {
   REQUIRE_GPU();
   // The FFN shapes of Wan 1.3B, checked on a slice of rows (static activation scale so

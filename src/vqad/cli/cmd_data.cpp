@@ -138,6 +138,7 @@ void register_data_commands(CLI::App& app) {
     sub->add_flag("--dense-text", so->dense_text, "fill padding tokens with noise (incompressible benchmark rows)");
     sub->add_option("--rows-per-file", wo->rows_per_file, "rows per parquet file");
     sub->add_option("--compression", wo->compression, "zstd | snappy | none");
+    sub->add_option("--row-group-rows", wo->row_group_rows, "rows per row group (0: one per file; 1: cheapest random access)");
     set_action(sub, [=] {
       SynthOptions o = *so;
       o.kind = parse_data_kind(*kind);
@@ -162,6 +163,7 @@ void register_data_commands(CLI::App& app) {
     auto num_latent_t = std::make_shared<int64_t>(0);
     auto seed = std::make_shared<int64_t>(1000);
     auto cold = std::make_shared<bool>(false);
+    auto sequential = std::make_shared<bool>(false);
     auto json_out = std::make_shared<std::string>();
     sub->add_option("path", *path, "dataset root")->required();
     sub->add_option("--kind", *kind, "auto | t2v | text_only");
@@ -170,6 +172,7 @@ void register_data_commands(CLI::App& app) {
     sub->add_option("--prefetch", *prefetch, "read-ahead depth (0: synchronous)");
     sub->add_option("--num-latent-t", *num_latent_t, "latent frames kept (0: all)");
     sub->add_option("--seed", *seed, "permutation seed");
+    sub->add_flag("--sequential", *sequential, "read rows in storage order instead of the shuffled training order");
     sub->add_flag("--cold", *cold, "evict the files from the page cache first (posix_fadvise)");
     sub->add_option("--json", *json_out, "write the result as JSON to this file");
     set_action(sub, [=] {
@@ -191,11 +194,18 @@ void register_data_commands(CLI::App& app) {
       DpSpBatchSampler sampler(so);
       const int64_t n = *batches > 0 ? *batches : sampler.batches_per_epoch();
       auto t0 = std::chrono::steady_clock::now();
-      PrefetchLoader loader(ds, sampler, *prefetch);
+      PrefetchLoader loader(ds, sampler, *sequential ? 0 : *prefetch);
       int64_t rows = 0;
       double payload = 0;
       for (int64_t b = 0; b < n; ++b) {
-        auto batch = loader.next();
+        Batch batch;
+        if (*sequential) {
+          std::vector<int64_t> idx;
+          for (int64_t k = 0; k < *batch_size; ++k) idx.push_back((b * *batch_size + k) % ds->size());
+          batch = ds->get_batch(idx);
+        } else {
+          batch = loader.next();
+        }
         rows += int64_t(batch.indices.size());
         if (batch.latent.defined()) payload += double(batch.latent.numel()) * batch.latent.element_size();
         payload += double(batch.text.numel()) * 4;
@@ -203,15 +213,16 @@ void register_data_commands(CLI::App& app) {
       double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::printf("dataset %s: %zu files, %lld rows, %.1f MB on disk\n", path->c_str(), ds->files().size(),
                   (long long)ds->size(), double(disk) / 1e6);
-      std::printf("read %lld rows in %lld batches (shuffled, batch %lld, prefetch %zu, %s page cache) in %.2f s\n",
-                  (long long)rows, (long long)n, (long long)*batch_size, *prefetch, *cold ? "cold" : "warm", s);
+      std::printf("read %lld rows in %lld batches (%s, batch %lld, prefetch %zu, %s page cache) in %.2f s\n",
+                  (long long)rows, (long long)n, *sequential ? "sequential" : "shuffled", (long long)*batch_size,
+                  *sequential ? size_t(0) : *prefetch, *cold ? "cold" : "warm", s);
       std::printf("  %.2f rows/s, %.1f MB/s of decoded float32 tensors\n", double(rows) / s, payload / 1e6 / s);
       if (!json_out->empty()) {
         nlohmann::json j = {{"dataset", *path},       {"files", ds->files().size()},
                             {"rows_in_dataset", ds->size()}, {"disk_bytes", disk},
                             {"rows_read", rows},      {"batches", n},
                             {"batch_size", *batch_size}, {"prefetch", *prefetch},
-                            {"cold", *cold},          {"seconds", s},
+                            {"cold", *cold}, {"sequential", *sequential},          {"seconds", s},
                             {"rows_per_s", double(rows) / s}, {"decoded_mb_per_s", payload / 1e6 / s}};
         std::ofstream(*json_out) << j.dump(2) << "\n";
       }

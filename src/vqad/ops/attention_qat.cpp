@@ -4,6 +4,7 @@
 
 #include "vqad/core/error.h"
 #include "vqad/numerics/attention_qat_ref.h"
+#include "vqad/ops/attention_qat_cuda.h"
 
 namespace vqad::ops {
 namespace {
@@ -119,10 +120,19 @@ class AttnQatFunction : public torch::autograd::Function<AttnQatFunction> {
     }
 #ifdef VQAD_WITH_TORCH_CUDA
     if (q.is_cuda()) {
-      // CUDA DISPATCH POINT: the Hopper kernels (vqad/kernels/attention/attention_qat.h,
-      // attention_qat_bwd.h) plug in here and in backward(); until they are wired this
-      // is an error, never a dense-attention substitute.
-      no_kernel(q, k, v, "the ATTN_QAT_TRAIN CUDA kernels are not wired into this op yet");
+      // CUDA DISPATCH POINT: the Hopper kernels (ops/attention_qat_cuda.h); they refuse
+      // unsupported devices and shapes rather than substitute dense attention.
+      AttnQatCudaForward r = attention_qat_cuda_forward(q, k, v, opts);
+      ctx->save_for_backward({r.q_hat, r.k_hat, r.v_hat, r.o_hp, r.m, r.l});
+      ctx->saved_data["block_n"] = block_n;
+      ctx->saved_data["quant_p"] = quant_p;
+      ctx->saved_data["quant_v"] = quant_v;
+      ctx->saved_data["quant_qk"] = quant_qk;
+      ctx->saved_data["fastvideo_bwd"] = fastvideo_bwd;
+      ctx->saved_data["q_dtype"] = static_cast<int64_t>(q.scalar_type());
+      ctx->saved_data["k_dtype"] = static_cast<int64_t>(k.scalar_type());
+      ctx->saved_data["v_dtype"] = static_cast<int64_t>(v.scalar_type());
+      return r.o;
     }
 #endif
     no_kernel(q, k, v, "only CPU tensors are supported in this build");
@@ -144,6 +154,15 @@ class AttnQatFunction : public torch::autograd::Function<AttnQatFunction> {
     const auto k_dtype = static_cast<torch::ScalarType>(ctx->saved_data["k_dtype"].toInt());
     const auto v_dtype = static_cast<torch::ScalarType>(ctx->saved_data["v_dtype"].toInt());
 
+#ifdef VQAD_WITH_TORCH_CUDA
+    // CUDA DISPATCH POINT: saved[0..2] are Q^, K^, V^ (BF16) on the GPU path.
+    if (q32.is_cuda()) {
+      AttnQatCudaGrads g = attention_qat_cuda_backward(grads[0], q32, k32, v32, o_hp, m, l, opts,
+                                                       q_dtype, k_dtype, v_dtype);
+      return {g.dq, g.dk, g.dv, torch::Tensor(), torch::Tensor(),
+              torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
+#endif
     torch::Tensor d_o = grads[0];
     VQAD_CHECK(d_o.defined() && d_o.sizes() == o_hp.sizes(),
                "attention_qat backward: expected dO of shape ", shape_str(o_hp), ", found ",

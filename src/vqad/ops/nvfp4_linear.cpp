@@ -105,8 +105,13 @@ torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, 
   check_cuda_device(x, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = weight.size(0), k = weight.size(1);
-  const torch::Tensor x2 = x.reshape({-1, k}).contiguous();
-  const torch::Tensor w2 = weight.contiguous();
+  // The kernels load 16 bytes at a time: views with an odd storage offset are copied.
+  auto aligned = [](torch::Tensor t) {
+    t = t.contiguous();
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+  };
+  const torch::Tensor x2 = aligned(x.reshape({-1, k}));
+  const torch::Tensor w2 = aligned(weight);
   const int64_t m = x2.size(0);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
   const auto f32 = x.options().dtype(torch::kFloat32);
@@ -270,7 +275,8 @@ torch::Tensor nvfp4_unit_operand_cuda(const torch::Tensor& x, const torch::Tenso
              "nvfp4_unit_operand_cuda: x must be float32 or bfloat16, got ", x.scalar_type());
   check_cuda_device(x, x);
   const c10::cuda::CUDAGuard guard(x.device());
-  const torch::Tensor xc = x.contiguous();
+  torch::Tensor xc = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();
   torch::Tensor out = torch::empty(xc.sizes(), xc.options().dtype(torch::kBFloat16));
   kl::launch_unit_operand(xc.data_ptr(), elem_type(xc), xc.size(0), xc.size(1), s_enc.data_ptr<float>(),
                           out.data_ptr(), at::cuda::getCurrentCUDAStream(x.get_device()).stream());

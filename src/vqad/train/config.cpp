@@ -1278,7 +1278,7 @@ Json to_json(const TrainingConfig& t) {
   return j;
 }
 
-Json to_json(const CallbacksConfig& c, const Json& raw_callbacks) {
+Json callbacks_to_json(const CallbacksConfig& c, const Json& raw_callbacks) {
   Json j = Json::object();
   for (const auto& name : c.order) {
     const Json& raw = raw_callbacks[name];
@@ -1411,7 +1411,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
   c.resolved["models"] = rm;
   c.resolved["method"] = to_json(c.method);
   c.resolved["training"] = to_json(c.training);
-  c.resolved["callbacks"] = to_json(c.callbacks, callbacks ? *callbacks : Json::object());
+  c.resolved["callbacks"] = callbacks_to_json(c.callbacks, callbacks ? *callbacks : Json::object());
   c.resolved["pipeline"] = to_json(c.pipeline);
   c.resolved_yaml = dump_yaml(c.resolved);
   c.resolved_sha256 = sha256_hex(c.resolved_yaml);

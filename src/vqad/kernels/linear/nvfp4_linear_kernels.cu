@@ -84,7 +84,8 @@ __global__ void bf16_amax_kernel(const T* __restrict__ x, int64_t n, bool vector
 }
 
 __device__ __forceinline__ float encode_scale_from_amax(float amax) {
-  return __fdiv_rn(kGlobalAmaxTarget, amax > 1e-12f ? amax : 1e-12f);
+  // Reciprocal, then multiply: the order that reproduces the golden vectors (see nvfp4::encode_scale_from_amax).
+  return __fmul_rn(__fdiv_rn(1.0f, amax > 1e-12f ? amax : 1e-12f), kGlobalAmaxTarget);
 }
 
 __global__ void linear_scales_kernel(const float* amax_x, float act_s_enc, const float* amax_w, float* scales) {

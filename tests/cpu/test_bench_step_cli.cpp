@@ -1,0 +1,84 @@
+// `vqad bench step` command line: options are validated before any GPU work, and a
+// build without LibTorch's CUDA libraries refuses the command instead of running
+// something else. The timed step itself runs on a GPU machine only.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CliResult {
+  int rc;
+  std::string output;
+};
+
+CliResult run_vqad(const std::string& args) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("vqad_test_bench_step_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path log = dir / "cli.log";
+  const std::string cmd = std::string(VQAD_BINARY) + " " + args + " > " + log.string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  fs::remove_all(dir);
+  return {WEXITSTATUS(status), ss.str()};
+}
+
+bool has(const std::string& text, const std::string& what) {
+  return text.find(what) != std::string::npos;
+}
+
+TEST(BenchStepCli, HelpListsTheOptions) {
+  const CliResult r = run_vqad("bench step --help");
+  EXPECT_EQ(r.rc, 0) << r.output;
+  for (const char* opt : {"--attention", "--linears", "--steps", "--layers", "--out", "--no-baseline"})
+    EXPECT_TRUE(has(r.output, opt)) << opt << "\n" << r.output;
+}
+
+TEST(BenchStepCli, UnknownLinearsValueIsAnError) {
+  const CliResult r = run_vqad("bench step --linears int8 --layers 1");
+  EXPECT_EQ(r.rc, 1) << r.output;
+  EXPECT_TRUE(has(r.output, "--linears")) << r.output;
+  EXPECT_TRUE(has(r.output, "'int8'")) << r.output;
+  EXPECT_TRUE(has(r.output, "nvfp4, dense")) << r.output;
+}
+
+TEST(BenchStepCli, SparseAttentionBackendIsRefused) {
+  const CliResult r = run_vqad("bench step --attention VSA_TRAIN --layers 1");
+  EXPECT_EQ(r.rc, 1) << r.output;
+  EXPECT_TRUE(has(r.output, "VSA_TRAIN")) << r.output;
+  EXPECT_TRUE(has(r.output, "ATTN_QAT_TRAIN, TORCH_SDPA, FLASH_ATTN")) << r.output;
+}
+
+TEST(BenchStepCli, UnknownAttentionNameIsAnError) {
+  const CliResult r = run_vqad("bench step --attention SAGE --layers 1");
+  EXPECT_EQ(r.rc, 1) << r.output;
+  EXPECT_TRUE(has(r.output, "SAGE")) << r.output;
+  EXPECT_TRUE(has(r.output, "--attention")) << r.output;
+}
+
+TEST(BenchStepCli, BadStepCountIsAnError) {
+  const CliResult r = run_vqad("bench step --steps 0 --layers 1");
+  EXPECT_EQ(r.rc, 1) << r.output;
+  EXPECT_TRUE(has(r.output, "--steps")) << r.output;
+}
+
+#ifndef VQAD_WITH_TORCH_CUDA
+TEST(BenchStepCli, CpuBuildRefusesTheCommand) {
+  const CliResult r = run_vqad("bench step --layers 1 --steps 1");
+  EXPECT_EQ(r.rc, 1) << r.output;
+  EXPECT_TRUE(has(r.output, "needs a GPU build")) << r.output;
+}
+#endif
+
+}  // namespace
