@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -18,7 +20,7 @@ namespace km = vqad::kernels::nvfp4;
 
 namespace {
 
-const std::string kGolden = std::string(VQAD_SHARED_DIR) + "/testdata/nvfp4_golden_public.safetensors";
+const std::string kGolden = std::string(VQAD_GOLDEN_FILE);
 
 template <typename T>
 std::vector<T> read_tensor(const vqad::st::File& f, const std::string& name, vqad::st::DType dtype,
@@ -164,4 +166,17 @@ TEST(Nvfp4Golden, DequantizeFromGoldenCodes) {
       }
     }
   }
+}
+
+// The in-tree copy of the golden file (used where the shared test data is not beside
+// the checkout) must stay byte-identical to the shared original.
+TEST(Nvfp4Golden, InTreeCopyMatchesSharedFile) {
+  const std::string shared = std::string(VQAD_SHARED_DIR) + "/testdata/nvfp4_golden_public.safetensors";
+  const std::string copy = std::string(VQAD_SOURCE_DIR) + "/tests/data/nvfp4_golden_public.safetensors";
+  if (!std::ifstream(shared).good()) GTEST_SKIP() << "shared test data not beside the checkout";
+  std::ifstream a(shared, std::ios::binary), b(copy, std::ios::binary);
+  ASSERT_TRUE(b.good()) << copy;
+  const std::string sa((std::istreambuf_iterator<char>(a)), {}), sb((std::istreambuf_iterator<char>(b)), {});
+  EXPECT_EQ(sa.size(), sb.size());
+  EXPECT_TRUE(sa == sb) << copy << " differs from " << shared;
 }

@@ -343,7 +343,7 @@ TEST(SafetensorsSharded, AmbiguousDirectory) {
 
 // --- the shared NVFP4 golden file (spec/nvfp4.md "Golden vectors") ---------
 TEST(Safetensors, ReadsNvfp4GoldenFile) {
-  std::string path = std::string(VQAD_SHARED_DIR) + "/testdata/nvfp4_golden_public.safetensors";
+  std::string path = std::string(VQAD_GOLDEN_FILE);
   auto f = vqad::st::File::open(path);
   EXPECT_EQ(f.metadata().at("rows_per_global_tensor"), "64");
   const int64_t n = f.info("x").shape.at(0);

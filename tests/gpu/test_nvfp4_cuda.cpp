@@ -378,7 +378,7 @@ TEST(Nvfp4Cuda, LargeRowsUseEveryThread) {
 
 TEST(Nvfp4Cuda, GoldenVectorsBitExact) {
   require_gpu();
-  const auto f = vqad::st::File::open(std::string(VQAD_SHARED_DIR) + "/testdata/nvfp4_golden_public.safetensors");
+  const auto f = vqad::st::File::open(std::string(VQAD_GOLDEN_FILE));
   for (bool dynamic : {false, true}) {
     const std::string p = dynamic ? "g_" : "";
     SCOPED_TRACE(dynamic ? "dynamic section" : "unit section");

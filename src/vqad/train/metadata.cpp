@@ -203,8 +203,10 @@ std::string lineage_text(const nlohmann::json& metadata) {
   const nlohmann::json* m = &metadata;
   int depth = 0;
   while (m && m->is_object()) {
-    const auto& c = (*m)["checkpoint"];
-    const auto& lin = m->value("lineage", nlohmann::json::object());
+    static const nlohmann::json kEmpty = nlohmann::json::object();
+    const auto& c = m->contains("checkpoint") ? (*m)["checkpoint"] : kEmpty;
+    // A reference into *m (not a copy): the next iteration points into it.
+    const auto& lin = m->contains("lineage") ? (*m)["lineage"] : kEmpty;
     os << std::string(depth * 2, ' ') << (depth ? "<- " : "") << c.value("id", "?") << "  step "
        << c.value("step", 0) << "  " << m->value("checkpoint_state", "?") << "  method "
        << (*m)["training_contract"]["supervision"].value("method", "?") << "  attention "
