@@ -123,6 +123,13 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
              tc.data.data_path.size());
   VQAD_CHECK(tc.dit_precision == "fp32", "training.dit_precision: vqad keeps FP32 master weights (found '",
              tc.dit_precision, "')");
+  // Callbacks this build does not run: EMA would change what is exported, so it is an
+  // error; validation sampling does not change training, so it is a warning.
+  VQAD_CHECK(!run_.callbacks.ema.enabled, "callbacks.ema: EMA weights are not available in this vqad build; "
+             "remove the ema callback");
+  if (run_.callbacks.validation.enabled)
+    log::warn("callbacks.validation: validation sampling is not available in this vqad build; training runs "
+              "without it (metrics.jsonl still records the training losses)");
   impl_->started_at = utc_now_iso();
   impl_->gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(tc.data.seed));
 
