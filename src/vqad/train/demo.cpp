@@ -20,6 +20,7 @@
 #include "vqad/train/config.h"
 #include "vqad/train/flow_matching.h"
 #include "vqad/train/metadata.h"
+#include "vqad/train/roles.h"
 #include "vqad/train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -83,9 +84,7 @@ std::shared_ptr<model::WanModel> load_eval_model(const std::string& dir, bool qu
   if (quantized) {
     model::QuantConfig qc;
     qc.method = model::QuantMethod::kNvfp4QatTrain;
-    std::vector<std::string> names;
-    for (auto& [n, l] : m->named_linears()) names.push_back(n);
-    model::apply_quant_plan(*m, model::build_quant_plan(names, qc), qc);
+    attach_quant_plan(*m, qc);
   }
   m->to(device);
   m->eval();

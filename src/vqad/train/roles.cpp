@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
@@ -28,6 +29,15 @@ std::string wan_model_kind(const model::WanConfig& c) {
   if (same(model::WanConfig::wan_14b())) return "wan-t2v-14b";
   if (same(model::WanConfig::tiny())) return "wan-t2v-tiny";
   return "wan-t2v-custom";
+}
+
+std::pair<model::QuantPlan, std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>>
+attach_quant_plan(model::WanModel& model, const model::QuantConfig& config) {
+  std::vector<std::string> names;
+  for (auto& [n, lin] : model.named_linears()) names.push_back(n);
+  model::QuantPlan plan = model::build_quant_plan(names, config);
+  auto quants = model::apply_quant_plan(model, plan, config);
+  return {std::move(plan), std::move(quants)};
 }
 
 static nlohmann::json read_parent_metadata(const std::string& init_from) {
@@ -98,12 +108,8 @@ std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_n
   role->model->train(rc.trainable);
 
   role->quant_config.method = model::parse_quant_method(rc.quant_config, key + ".quant_config");
-  if (role->quant_config.enabled()) {
-    std::vector<std::string> names;
-    for (auto& [n, lin] : role->model->named_linears()) names.push_back(n);
-    role->plan = model::build_quant_plan(names, role->quant_config);
-    role->quants = model::apply_quant_plan(*role->model, role->plan, role->quant_config);
-  }
+  if (role->quant_config.enabled())
+    std::tie(role->plan, role->quants) = attach_quant_plan(*role->model, role->quant_config);
   log::info(key, ": ", wan_model_kind(role->model->config()), " (", role->init_kind, "), attention ",
             attention_backend_name(rc.attention_backend), ", linears ",
             role->plan.empty() ? std::string("dense") : std::to_string(role->plan.entries.size()) + " NVFP4",

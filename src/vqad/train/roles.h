@@ -42,6 +42,10 @@ struct RoleBuildOptions {
 std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_name,
                                  const RoleBuildOptions& options);
 
+// Builds the quant plan of `config` for the model's linears and attaches it.
+std::pair<model::QuantPlan, std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>>
+attach_quant_plan(model::WanModel& model, const model::QuantConfig& config);
+
 // Wan model kind for metadata: "wan-t2v-1.3b", "wan-t2v-14b", or "wan-t2v-custom".
 std::string wan_model_kind(const model::WanConfig& c);
 

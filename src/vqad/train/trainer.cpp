@@ -196,7 +196,7 @@ void Trainer::print_dry_run() const {
 }
 
 static void save_trainer_checkpoint(const RunConfig& run, const std::map<std::string, std::shared_ptr<Role>>& roles,
-                                    Trainer* /*unused*/, const std::string& output_dir, long step,
+                                    const std::string& output_dir, long step,
                                     std::map<std::string, std::unique_ptr<torch::optim::AdamW>>& optimizers,
                                     const data::PrefetchLoader& loader, torch::Generator& gen,
                                     const std::string& started_at, std::vector<std::string>* written) {
@@ -322,14 +322,14 @@ TrainSummary Trainer::run() {
       bar->update(1);
     }
     if (save_every > 0 && step % save_every == 0) {
-      save_trainer_checkpoint(run_, roles_, this, out, step, I.optimizers, *I.loader, I.gen, I.started_at,
+      save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, *I.loader, I.gen, I.started_at,
                               &summary.checkpoints);
       last_saved = step;
     }
   }
   if (bar) bar->finish();
   if (save_every > 0 && last_saved != summary.last_step && summary.last_step > 0)
-    save_trainer_checkpoint(run_, roles_, this, out, summary.last_step, I.optimizers, *I.loader, I.gen, I.started_at,
+    save_trainer_checkpoint(run_, roles_, out, summary.last_step, I.optimizers, *I.loader, I.gen, I.started_at,
                             &summary.checkpoints);
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
   return summary;
