@@ -971,6 +971,7 @@ MethodConfig parse_method(const Ctx& ctx, const Json* node) {
         u.finish();
         d.cfg_uncond = cu;
       }
+      d.negative_prompt_embedding = s.str("negative_prompt_embedding", "");
       if (s.has("shifted_ode_schedule")) {
         Section o = s.sub("shifted_ode_schedule");
         auto& so = d.shifted_ode_schedule;
@@ -1166,6 +1167,7 @@ Json to_json(const MethodConfig& m) {
       j["fake_score_betas"] = {d.fake_score_betas[0], d.fake_score_betas[1]};
       j["fake_score_lr_scheduler"] = lr_schedule_name(d.fake_score_lr_scheduler);
       if (d.cfg_uncond) j["cfg_uncond"] = {{"on_missing", d.cfg_uncond->on_missing}, {"text", d.cfg_uncond->text}};
+      if (!d.negative_prompt_embedding.empty()) j["negative_prompt_embedding"] = d.negative_prompt_embedding;
       if (d.shifted_ode_schedule.present) {
         const auto& s = d.shifted_ode_schedule;
         j["shifted_ode_schedule"] = {{"flow_shift", s.flow_shift},   {"teacher_steps", s.teacher_steps},

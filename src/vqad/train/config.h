@@ -125,6 +125,11 @@ struct Dmd2Config {
   LrSchedule fake_score_lr_scheduler = LrSchedule::kConstant;
   std::optional<CfgUncondConfig> cfg_uncond;
   ShiftedOdeSchedule shifted_ode_schedule;
+  // vqad extension (vqad has no text encoder): the negative prompt's text embedding for
+  // the teacher's unconditional branch, a .safetensors file with one [L, D] or [1, L, D]
+  // tensor, or a text_only/t2v parquet dataset whose first row holds it. Needed unless
+  // cfg_uncond.text is keep or zero.
+  std::string negative_prompt_embedding;
 };
 
 struct LayerReconConfig {

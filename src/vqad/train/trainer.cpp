@@ -1,5 +1,6 @@
 #include "vqad/train/trainer.h"
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,10 +16,12 @@
 #include "vqad/data/loader.h"
 #include "vqad/data/parquet_dataset.h"
 #include "vqad/data/sampler.h"
+#include "vqad/model/wan/model.h"
 #include "vqad/model/wan/weights.h"
 #include "vqad/train/checkpoint_dir.h"
 #include "vqad/train/lr_schedule.h"
 #include "vqad/train/metadata.h"
+#include "vqad/train/methods/dmd2.h"
 #include "vqad/train/methods/sft.h"
 
 #ifdef VQAD_WITH_TORCH_CUDA
@@ -104,7 +107,8 @@ struct Trainer::Impl {
   std::map<std::string, std::unique_ptr<torch::optim::AdamW>> optimizers;
   std::map<std::string, LrScheduleConfig> schedules;
   std::map<std::string, double> base_lr;
-  std::unique_ptr<SftMethod> sft;
+  std::map<std::string, long> updates;  // optimizer steps taken per role (LR schedule position)
+  std::unique_ptr<TrainingMethod> method;
   torch::Generator gen;
   long start_step = 0;
   std::string started_at;
@@ -113,8 +117,21 @@ struct Trainer::Impl {
 Trainer::Trainer(RunConfig run, TrainerOptions options)
     : impl_(std::make_unique<Impl>()), run_(std::move(run)), options_(options) {
   const auto& tc = run_.training;
-  VQAD_CHECK(run_.method.kind == MethodKind::kSft, "method '", method_name(run_.method.kind),
-             "' is not available in this vqad build (available: sft)");
+  VQAD_CHECK(run_.method.kind == MethodKind::kSft || run_.method.kind == MethodKind::kDmd2, "method '",
+             method_name(run_.method.kind), "' is not available in this vqad build (available: sft, dmd2)");
+  // Backends without kernels in this build fail here, before any weights load.
+  for (const auto& name : run_.method.roles()) {
+    const auto b = run_.role(name).attention_backend;
+    if (!model::is_vsa_backend(b)) continue;
+    const std::string msg = "models." + name + ".attention_backend: " + attention_backend_name(b) +
+                            ": the video-sparse attention kernels are not part of this vqad build (available: "
+                            "TORCH_SDPA, FLASH_ATTN, ATTN_QAT_TRAIN; e.g. --models." + name +
+                            ".attention_backend ATTN_QAT_TRAIN for the dense variant)";
+    if (options_.dry_run)
+      log::warn(msg);
+    else
+      fail(msg);
+  }
   VQAD_CHECK(!tc.checkpoint.output_dir.empty(), "training.checkpoint.output_dir is empty (where should checkpoints go?)");
   VQAD_CHECK(tc.loop.max_train_steps > 0, "training.loop.max_train_steps must be > 0, found ", tc.loop.max_train_steps);
   VQAD_CHECK(tc.distributed.num_gpus == 1, "training.distributed.num_gpus = ", tc.distributed.num_gpus,
@@ -142,7 +159,7 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
     roles_[name] = build_role(run_, name, ro);
   }
   auto student = roles_.at("student");
-  VQAD_CHECK(student->config.trainable, "models.student.trainable must be true for sft");
+  VQAD_CHECK(student->config.trainable, "models.student.trainable must be true for ", method_name(run_.method.kind));
 
   // Data.
   const auto& mc = student->model->config();
@@ -157,19 +174,32 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   auto sopt = data::sampler_options_for_rank(impl_->dataset->size(), tc.data.train_batch_size, 1, 1, 0, tc.data.seed);
   impl_->loader = std::make_unique<data::PrefetchLoader>(impl_->dataset, data::DpSpBatchSampler(sopt), 2);
 
-  // Optimizers and schedules, one per trainable role.
+  // Optimizers and schedules, one per trainable role. The dmd2 critic takes the
+  // method's fake_score_* learning rate, betas and schedule (same weight decay and eps).
   for (auto& [name, role] : roles_) {
     if (!role->config.trainable) continue;
     const auto& oc = tc.optimizer;
+    double lr = oc.learning_rate;
+    std::array<double, 2> betas = oc.betas;
+    LrSchedule sched = oc.lr_scheduler;
+    if (run_.method.kind == MethodKind::kDmd2 && name == "critic") {
+      lr = run_.method.dmd2.fake_score_learning_rate;
+      betas = run_.method.dmd2.fake_score_betas;
+      sched = run_.method.dmd2.fake_score_lr_scheduler;
+    }
     auto params = role->trainable_parameters();
     VQAD_CHECK(!params.empty(), "models.", name, " is trainable but has no trainable parameters");
-    torch::optim::AdamWOptions ao(oc.learning_rate);
-    ao.betas({oc.betas[0], oc.betas[1]}).weight_decay(oc.weight_decay).eps(oc.eps);
+    torch::optim::AdamWOptions ao(lr);
+    ao.betas({betas[0], betas[1]}).weight_decay(oc.weight_decay).eps(oc.eps);
     impl_->optimizers[name] = std::make_unique<torch::optim::AdamW>(params, ao);
-    impl_->base_lr[name] = oc.learning_rate;
-    impl_->schedules[name] = lr_schedule_from(oc, oc.lr_scheduler, tc.loop.max_train_steps);
+    impl_->base_lr[name] = lr;
+    impl_->schedules[name] = lr_schedule_from(oc, sched, tc.loop.max_train_steps);
+    impl_->updates[name] = 0;
   }
-  impl_->sft = std::make_unique<SftMethod>(run_, student);
+  if (run_.method.kind == MethodKind::kDmd2)
+    impl_->method = std::make_unique<Dmd2Method>(run_, student, roles_.at("teacher"), roles_.at("critic"));
+  else
+    impl_->method = std::make_unique<SftMethod>(run_, student);
 }
 
 Trainer::~Trainer() = default;
@@ -198,6 +228,7 @@ void Trainer::print_dry_run() const {
 static void save_trainer_checkpoint(const RunConfig& run, const std::map<std::string, std::shared_ptr<Role>>& roles,
                                     const std::string& output_dir, long step,
                                     std::map<std::string, std::unique_ptr<torch::optim::AdamW>>& optimizers,
+                                    const std::map<std::string, long>& updates,
                                     const data::PrefetchLoader& loader, torch::Generator& gen,
                                     const std::string& started_at, std::vector<std::string>* written) {
   auto path = write_checkpoint_dir(output_dir, step, [&](const std::string& dir) {
@@ -211,6 +242,7 @@ static void save_trainer_checkpoint(const RunConfig& run, const std::map<std::st
     state["step"] = step;
     state["data"] = loader.state();
     state["generator_state"] = hex_encode(gen.get_state());
+    state["optimizer_updates"] = updates;
     st::write_file_atomic((fs::path(dir) / "trainer_state.json").string(), {state.dump(2) + "\n"});
     st::write_file_atomic((fs::path(dir) / "resolved.yaml").string(), {run.resolved_yaml});
     write_metadata(dir, build_metadata(run, roles, step, started_at));
@@ -243,6 +275,12 @@ TrainSummary Trainer::run() {
     nlohmann::json state = nlohmann::json::parse(f);
     I.loader->load_state(state.at("data"));
     I.gen.set_state(hex_decode(state.at("generator_state").get<std::string>(), resume->path));
+    for (auto& [name, n] : I.updates) {
+      if (state.contains("optimizer_updates") && state["optimizer_updates"].contains(name))
+        n = state["optimizer_updates"][name].get<long>();
+      else
+        n = resume->step;  // checkpoints written before per-role counts: every step updated
+    }
     I.start_step = resume->step;
   }
   MetricsWriter metrics = resume ? MetricsWriter::open_for_resume((fs::path(out) / "metrics.jsonl").string(), I.start_step)
@@ -262,19 +300,20 @@ TrainSummary Trainer::run() {
   for (long step = I.start_step + 1; step <= max_steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     for (auto& [name, opt] : I.optimizers) opt->zero_grad(true);
-    double loss_sum = 0;
+    std::map<std::string, double> rec, role_loss;
     int64_t tokens = 0;
     for (long micro = 0; micro < accum; ++micro) {
       data::Batch batch = I.loader->next();
-      auto r = I.sft->loss(batch, I.gen, options_.device);
-      (r.loss / static_cast<double>(accum)).backward();
-      loss_sum += r.loss.item<double>();
+      auto r = I.method->micro_step(batch, I.gen, options_.device, step, 1.0 / static_cast<double>(accum));
+      for (const auto& [k, v] : r.metrics) rec[k] += v / static_cast<double>(accum);
+      for (const auto& [k, v] : r.role_loss) role_loss[k] += v / static_cast<double>(accum);
       tokens += r.tokens;
     }
-    const double loss = loss_sum / static_cast<double>(accum);
-    std::map<std::string, double> rec{{"loss", loss}};
-    for (auto& [name, opt] : I.optimizers) {
+    const double loss = rec.at("loss");
+    for (const auto& name : I.method->roles_to_update(step)) {
+      auto& opt = I.optimizers.at(name);
       auto& role = *roles_.at(name);
+      const double rloss = role_loss.count(name) ? role_loss.at(name) : loss;
       auto params = role.trainable_parameters();
       double norm;
       if (run_.callbacks.grad_clip.enabled) {
@@ -285,29 +324,30 @@ TrainSummary Trainer::run() {
           if (p.grad().defined()) norms.push_back(p.grad().detach().to(torch::kFloat32).norm());
         norm = norms.empty() ? 0.0 : torch::stack(norms).norm().item<double>();
       }
-      if (!std::isfinite(loss) || !std::isfinite(norm)) {
+      if (!std::isfinite(rloss) || !std::isfinite(norm)) {
         std::string bad;
         int nbad = 0;
         for (const auto& item : role.model->named_parameters()) {
           const auto& g = item.value().grad();
           if (g.defined() && !torch::isfinite(g).all().item<bool>() && nbad++ < 8) bad += " " + item.key();
         }
-        fail("step ", step, ": non-finite ", std::isfinite(loss) ? "gradient" : "loss", " in role '", name,
-             "' (loss ", loss, ", grad norm ", norm, "); parameters with non-finite gradients:",
+        fail("step ", step, ": non-finite ", std::isfinite(rloss) ? "gradient" : "loss", " in role '", name,
+             "' (loss ", rloss, ", grad norm ", norm, "); parameters with non-finite gradients:",
              bad.empty() ? std::string(" none") : bad, nbad > 8 ? " ..." : "",
              ". The weights were not updated; the last checkpoint in ", out, " is intact");
       }
       rec["grad_norm/" + name] = norm;
-      const double lr = I.base_lr.at(name) * lr_multiplier(I.schedules.at(name), step - 1);
+      const double lr = I.base_lr.at(name) * lr_multiplier(I.schedules.at(name), I.updates.at(name));
       for (auto& g : opt->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
       rec["lr/" + name] = lr;
       opt->step();
+      ++I.updates.at(name);
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec["step_time_s"] = dt;
     rec["tokens_per_s"] = static_cast<double>(tokens) / dt;
     rec["mem_peak_gib"] = peak_memory_gib(options_.device);
-    if (options_.device.is_cuda()) {
+    if (options_.device.is_cuda() && run_.method.kind == MethodKind::kSft) {
       const auto& mc = student->model->config();
       const int64_t per_sample = tokens / std::max<int64_t>(1, tc.data.train_batch_size * accum);
       rec["mfu"] = step_flops(mc, per_sample, tc.data.train_batch_size * accum, mc.text_len) / dt / 989e12;
@@ -322,14 +362,14 @@ TrainSummary Trainer::run() {
       bar->update(1);
     }
     if (save_every > 0 && step % save_every == 0) {
-      save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, *I.loader, I.gen, I.started_at,
+      save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, I.updates, *I.loader, I.gen, I.started_at,
                               &summary.checkpoints);
       last_saved = step;
     }
   }
   if (bar) bar->finish();
   if (save_every > 0 && last_saved != summary.last_step && summary.last_step > 0)
-    save_trainer_checkpoint(run_, roles_, out, summary.last_step, I.optimizers, *I.loader, I.gen, I.started_at,
+    save_trainer_checkpoint(run_, roles_, out, summary.last_step, I.optimizers, I.updates, *I.loader, I.gen, I.started_at,
                             &summary.checkpoints);
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
   return summary;

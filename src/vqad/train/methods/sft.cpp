@@ -58,4 +58,16 @@ SftStepResult SftMethod::loss(const data::Batch& batch, torch::Generator& gen, t
   return {loss, tokens};
 }
 
+MethodStepResult SftMethod::micro_step(const data::Batch& batch, torch::Generator& gen, torch::Device device,
+                                       long /*step*/, double scale) {
+  auto r = loss(batch, gen, device);
+  (r.loss * scale).backward();
+  MethodStepResult out;
+  const double l = r.loss.item<double>();
+  out.metrics["loss"] = l;
+  out.role_loss["student"] = l;
+  out.tokens = r.tokens;
+  return out;
+}
+
 }  // namespace vqad::train

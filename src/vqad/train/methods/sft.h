@@ -8,6 +8,7 @@
 
 #include "vqad/data/parquet_dataset.h"
 #include "vqad/train/config.h"
+#include "vqad/train/methods/method.h"
 #include "vqad/train/roles.h"
 
 namespace vqad::train {
@@ -17,9 +18,12 @@ struct SftStepResult {
   int64_t tokens = 0;  // transformer tokens in the micro-batch
 };
 
-class SftMethod {
+class SftMethod : public TrainingMethod {
  public:
   SftMethod(const RunConfig& run, std::shared_ptr<Role> student);
+  std::vector<std::string> roles_to_update(long) const override { return {"student"}; }
+  MethodStepResult micro_step(const data::Batch& batch, torch::Generator& gen, torch::Device device, long step,
+                              double scale) override;
   SftStepResult loss(const data::Batch& batch, torch::Generator& gen, torch::Device device);
   // Timestep-grid indices for B samples (weighting scheme of training.model).
   std::vector<int64_t> sample_indices(int64_t batch, torch::Generator& gen) const;

@@ -1,0 +1,253 @@
+#include "vqad/train/methods/dmd2.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "vqad/core/error.h"
+#include "vqad/core/log.h"
+#include "vqad/io/tensors.h"
+
+namespace fs = std::filesystem;
+
+namespace vqad::train {
+
+namespace {
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// [L, D] -> [1, text_len, D] fp32, zero-padded or cropped.
+torch::Tensor pad_text(torch::Tensor t, int64_t text_len, int64_t text_dim, const std::string& where) {
+  if (t.dim() == 3) {
+    VQAD_CHECK(t.size(0) == 1, where, ": expected one embedding [1, L, D], found batch ", t.size(0));
+    t = t[0];
+  }
+  VQAD_CHECK(t.dim() == 2, where, ": expected a text embedding [L, D] or [1, L, D], found ", t.dim(), " dims");
+  VQAD_CHECK(text_dim <= 0 || t.size(1) == text_dim, where, ": embedding width ", t.size(1),
+             " does not match the model's text_dim ", text_dim);
+  t = t.to(torch::kFloat32);
+  auto out = torch::zeros({1, text_len, t.size(1)}, torch::kFloat32);
+  const int64_t n = std::min(text_len, t.size(0));
+  out[0].narrow(0, 0, n).copy_(t.narrow(0, 0, n));
+  return out;
+}
+}  // namespace
+
+torch::Tensor load_negative_text(const std::string& path, int64_t text_len, int64_t text_dim) {
+  const std::string where = "method.negative_prompt_embedding '" + path + "'";
+  VQAD_CHECK(fs::exists(path), where, ": no such file or directory");
+  if (fs::is_regular_file(path) && ends_with(path, ".safetensors")) {
+    auto tensors = io::load_safetensors(path);
+    VQAD_CHECK(tensors.size() == 1, where, ": expected exactly one tensor, found ", tensors.size());
+    return pad_text(tensors.begin()->second, text_len, text_dim, where);
+  }
+  // A FastVideo-preprocessed parquet dataset (t2v or text_only) of the negative prompt.
+  data::DatasetOptions o;
+  o.kind = data::DataKind::TextOnly;
+  o.text_len = text_len;
+  o.text_dim = text_dim;
+  std::shared_ptr<data::ParquetDataset> ds;
+  try {
+    ds = data::ParquetDataset::open(path, o);
+  } catch (const Error& e) {
+    fail(where, ": neither a .safetensors file nor a readable parquet dataset: ", e.what());
+  }
+  VQAD_CHECK(ds->size() >= 1, where, ": the dataset has no rows");
+  auto s = ds->get(0);
+  return s.text.unsqueeze(0).to(torch::kFloat32);
+}
+
+Dmd2Method::Dmd2Method(const RunConfig& run, std::shared_ptr<Role> student, std::shared_ptr<Role> teacher,
+                       std::shared_ptr<Role> critic, torch::Tensor negative_text)
+    : cfg_(run.method.dmd2), run_(run), student_(std::move(student)), teacher_(std::move(teacher)),
+      critic_(std::move(critic)) {
+  VQAD_CHECK(student_ && teacher_ && critic_, "dmd2 needs the roles student, teacher and critic");
+  VQAD_CHECK(student_->config.trainable && critic_->config.trainable && !teacher_->config.trainable,
+             "dmd2: student and critic must be trainable and the teacher frozen");
+  VQAD_CHECK(cfg_.generator_update_interval >= 1, "method.generator_update_interval must be >= 1");
+  const auto& sc = student_->model->config();
+  for (const auto* r : {teacher_.get(), critic_.get()}) {
+    const auto& c = r->model->config();
+    VQAD_CHECK(c.in_channels == sc.in_channels && c.out_channels == sc.out_channels && c.text_dim == sc.text_dim &&
+                   c.patch_size == sc.patch_size,
+               "dmd2: models.", r->name, " (in ", c.in_channels, ", out ", c.out_channels, ", text_dim ", c.text_dim,
+               ") does not match models.student (in ", sc.in_channels, ", out ", sc.out_channels, ", text_dim ",
+               sc.text_dim, "): the roles must share the latent and text spaces");
+  }
+  timestep_shift_ = run.pipeline.flow_shift.value_or(student_->config.flow_shift);
+  // Denoising steps: raw timesteps, or warped through the student's grid.
+  for (double s : cfg_.dmd_denoising_steps) {
+    if (!cfg_.warp_denoising_step) {
+      steps_.push_back(s);
+      continue;
+    }
+    VQAD_CHECK(std::floor(s) == s, "method.dmd_denoising_steps: warp_denoising_step needs integer steps, found ", s);
+    const int idx = 1000 - static_cast<int>(s);
+    steps_.push_back(idx >= student_->grid.size() ? 0.0 : student_->grid.timestep(idx));
+  }
+
+  // Unconditional text of the teacher's CFG.
+  uncond_mode_ = cfg_.cfg_uncond ? cfg_.cfg_uncond->text : "negative_prompt";
+  if (uncond_mode_ == "negative_prompt") {
+    if (negative_text.defined()) {
+      negative_text_ = pad_text(negative_text.detach().cpu(), sc.text_len, sc.text_dim, "negative text embedding");
+    } else if (!cfg_.negative_prompt_embedding.empty()) {
+      negative_text_ = load_negative_text(cfg_.negative_prompt_embedding, sc.text_len, sc.text_dim);
+    } else if (cfg_.cfg_uncond && cfg_.cfg_uncond->on_missing == "ignore") {
+      log::warn("method.cfg_uncond.on_missing: ignore and no method.negative_prompt_embedding: the teacher's "
+                "unconditional branch uses a zero text embedding");
+      uncond_mode_ = "zero";
+    } else {
+      fail("method dmd2: the teacher's classifier-free guidance needs the negative prompt's text embedding "
+           "(vqad has no text encoder). Set method.negative_prompt_embedding to a .safetensors file with one "
+           "[L, ", sc.text_dim, "] tensor or to a parquet dataset whose first row is the negative prompt, or set "
+           "method.cfg_uncond.text to zero or keep");
+    }
+  }
+  log::info("dmd2: rollout ", rollout_mode_name(cfg_.rollout_mode), ", ", steps_.size(), " denoising steps, "
+            "student update every ", cfg_.generator_update_interval, " step(s), guidance ",
+            cfg_.real_score_guidance_scale, ", score timestep shift ", timestep_shift_, ", unconditional text: ",
+            uncond_mode_);
+}
+
+std::vector<std::string> Dmd2Method::roles_to_update(long step) const {
+  if (updates_student(step)) return {"critic", "student"};
+  return {"critic"};
+}
+
+double Dmd2Method::score_timestep(torch::Generator& gen) const {
+  const double r = static_cast<double>(at::randint(0, 1000, {1}, gen, torch::TensorOptions(torch::kInt64)).item<int64_t>());
+  double t = shift_timestep(r, timestep_shift_);
+  t = std::clamp(t, 0.0, 1000.0);
+  const double lo = static_cast<double>(static_cast<int64_t>(cfg_.min_timestep_ratio * 1000.0));
+  const double hi = static_cast<double>(static_cast<int64_t>(cfg_.max_timestep_ratio * 1000.0));
+  return std::clamp(t, lo, hi);
+}
+
+torch::Tensor Dmd2Method::predict_x0(Role& role, const torch::Tensor& x_t, double t, const torch::Tensor& text) {
+  const int64_t B = x_t.size(0);
+  auto tt = torch::full({B}, t, torch::kFloat64);
+  auto v = role.model->forward(x_t, tt.to(x_t.device(), torch::kFloat32), text);
+  return role.grid.predict_x0(x_t, v, tt);
+}
+
+torch::Tensor Dmd2Method::uncond_text(const torch::Tensor& text) const {
+  if (uncond_mode_ == "keep") return text;
+  if (uncond_mode_ == "zero") return torch::zeros_like(text);
+  VQAD_CHECK(negative_text_.size(1) == text.size(1), "dmd2: negative text length ", negative_text_.size(1),
+             " != batch text length ", text.size(1));
+  return negative_text_.to(text.device(), text.scalar_type()).expand({text.size(0), -1, -1});
+}
+
+std::vector<int64_t> Dmd2Method::latent_shape(const data::Batch& batch) const {
+  if (batch.latent.defined()) return batch.latent.sizes().vec();
+  const auto& d = run_.training.data;
+  VQAD_CHECK(d.num_latent_t > 0 && d.num_height > 0 && d.num_width > 0,
+             "dmd2 simulate on text_only data: training.data.num_latent_t, num_height and num_width must be set "
+             "(found ", d.num_latent_t, ", ", d.num_height, ", ", d.num_width, ")");
+  VQAD_CHECK(d.num_height % 8 == 0 && d.num_width % 8 == 0, "training.data.num_height/num_width (", d.num_height,
+             " x ", d.num_width, ") must be multiples of 8 (the Wan VAE's spatial factor)");
+  return {batch.text.size(0), student_->model->config().in_channels, d.num_latent_t, d.num_height / 8,
+          d.num_width / 8};
+}
+
+torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vector<int64_t>& shape,
+                                  const torch::Tensor& text, torch::Generator& gen, bool grad) {
+  const auto dtype = student_->model->options().compute_dtype;
+  const auto dev = text.device();
+  const int64_t n = static_cast<int64_t>(steps_.size());
+  const int64_t j = at::randint(0, n, {1}, gen, torch::TensorOptions(torch::kInt64)).item<int64_t>();
+  auto noise = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
+  const int64_t B = shape[0];
+  torch::Tensor input;
+  if (cfg_.rollout_mode == RolloutMode::kDataLatent) {
+    VQAD_CHECK(x0_data.defined(), "dmd2 rollout_mode data_latent needs latents; the dataset is text_only "
+               "(use rollout_mode: simulate)");
+    input = student_->grid.add_noise(x0_data.to(dev, dtype), noise, torch::full({B}, steps_[j], torch::kFloat64));
+  } else {
+    std::vector<torch::Tensor> kept;
+    torch::Tensor x = noise;
+    {
+      torch::NoGradGuard ng;
+      for (int64_t i = 0; i + 1 < n; ++i) {
+        auto x0 = predict_x0(*student_, x, steps_[i], text);
+        auto fresh = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
+        x = student_->grid.add_noise(x0, fresh, torch::full({B}, steps_[i + 1], torch::kFloat64));
+        kept.push_back(x);
+      }
+    }
+    input = j == 0 ? noise : kept[j - 1];
+  }
+  if (!grad) {
+    torch::NoGradGuard ng;
+    return predict_x0(*student_, input, steps_[j], text);
+  }
+  return predict_x0(*student_, input, steps_[j], text);
+}
+
+DmdLossParts Dmd2Method::dmd_loss(const torch::Tensor& x0, const torch::Tensor& text, torch::Generator& gen) {
+  DmdLossParts p;
+  {
+    torch::NoGradGuard ng;
+    const auto dtype = critic_->model->options().compute_dtype;
+    p.timestep = score_timestep(gen);
+    auto noise = at::randn(x0.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(x0.device(), dtype);
+    const int64_t B = x0.size(0);
+    auto x_t = student_->grid.add_noise(x0.detach().to(dtype), noise, torch::full({B}, p.timestep, torch::kFloat64));
+    p.critic_x0 = predict_x0(*critic_, x_t, p.timestep, text);
+    auto r_c = predict_x0(*teacher_, x_t, p.timestep, text).to(torch::kFloat32);
+    auto r_u = predict_x0(*teacher_, x_t, p.timestep, uncond_text(text)).to(torch::kFloat32);
+    p.teacher_x0 = r_u + cfg_.real_score_guidance_scale * (r_c - r_u);
+    auto x0f = x0.detach().to(torch::kFloat32);
+    auto norm = (x0f - p.teacher_x0).abs().mean();
+    p.normalizer = norm.item<double>();
+    p.grad = torch::nan_to_num((p.critic_x0.to(torch::kFloat32) - p.teacher_x0) / norm);
+  }
+  auto xf = x0.to(torch::kFloat32);
+  p.loss = 0.5 * (xf - (xf - p.grad).detach()).pow(2).mean();
+  return p;
+}
+
+MethodStepResult Dmd2Method::micro_step(const data::Batch& batch, torch::Generator& gen, torch::Device device,
+                                        long step, double scale) {
+  MethodStepResult out;
+  const auto dtype = student_->model->options().compute_dtype;
+  auto text = batch.text.to(device, dtype);
+  auto shape = latent_shape(batch);
+  torch::Tensor x0_data;
+  if (batch.latent.defined()) x0_data = batch.latent.to(device, dtype);
+  const auto& pc = student_->model->config().patch_size;
+  out.tokens = shape[0] * (shape[2] / pc[0]) * (shape[3] / pc[1]) * (shape[4] / pc[2]);
+
+  double gen_loss = 0;
+  const bool upd = updates_student(step);
+  if (upd) {
+    auto x0_g = rollout(x0_data, shape, text, gen, true);
+    auto parts = dmd_loss(x0_g, text, gen);
+    if (probe) probe(x0_g, parts);
+    (parts.loss * scale).backward();
+    gen_loss = parts.loss.item<double>();
+    out.role_loss["student"] = gen_loss;
+    out.metrics["dmd_timestep"] = parts.timestep;
+    out.metrics["dmd_normalizer"] = parts.normalizer;
+  }
+  torch::Tensor x0_c = rollout(x0_data, shape, text, gen, false);
+  const double t_f = score_timestep(gen);
+  auto n_f = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(device, critic_->model->options().compute_dtype);
+  const int64_t B = shape[0];
+  auto tt = torch::full({B}, t_f, torch::kFloat64);
+  auto x_f = critic_->grid.add_noise(x0_c, n_f, tt);
+  auto v_c = critic_->model->forward(x_f, tt.to(device, torch::kFloat32), text);
+  auto fake_loss = (v_c.to(torch::kFloat32) - (n_f.to(torch::kFloat32) - x0_c.to(torch::kFloat32))).pow(2).mean();
+  (fake_loss * scale).backward();
+  const double fl = fake_loss.item<double>();
+  out.role_loss["critic"] = fl;
+  out.metrics["generator_loss"] = gen_loss;
+  out.metrics["fake_score_loss"] = fl;
+  out.metrics["update_student"] = upd ? 1.0 : 0.0;
+  out.metrics["loss"] = gen_loss + fl;
+  return out;
+}
+
+}  // namespace vqad::train
