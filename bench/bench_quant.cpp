@@ -82,6 +82,9 @@ int run_bench_quant(const BenchQuantArgs& a) {
     };
     auto amax_only = [&](cudaStream_t s) { kn::launch_amax(xv, amax.data_ptr<float>(), s); };
     auto quant = [&](cudaStream_t s) { kn::launch_quantize(xv, unit, qo, s); };
+    kn::QuantizeOutputs qo_linear = qo;  // codes + linear scales only (no 128x4 layout)
+    qo_linear.scales_swizzled = nullptr;
+    auto quant_linear = [&](cudaStream_t s) { kn::launch_quantize(xv, unit, qo_linear, s); };
     auto copy = [&](cudaStream_t s) {
       VQAD_CUDA_CHECK(cudaMemcpyAsync(copy_dst.data_ptr(), x.data_ptr(), static_cast<size_t>(in_bytes),
                                       cudaMemcpyDeviceToDevice, s));
@@ -105,6 +108,9 @@ int run_bench_quant(const BenchQuantArgs& a) {
       std::function<void(cudaStream_t)> fn;
       double bytes;  // DRAM bytes read + written
     };
+    // Bytes each op must move at least: inputs read once per pass, outputs written once
+    // (the dynamic fake-quant reads x twice: amax, then quantize; quantize+pack writes
+    // 4-bit codes, one scale byte per 16 elements per layout, the swizzled one padded).
     const double q_bytes = in_bytes + n / 2 + n / 16 + static_cast<double>(swz);
     const std::vector<Case> cases = {
         {"copy (cudaMemcpyAsync D2D)", copy, 2 * in_bytes},
@@ -112,6 +118,7 @@ int run_bench_quant(const BenchQuantArgs& a) {
         {"fake-quant bf16->bf16 dynamic (amax + fq)", fq_dyn, 3 * in_bytes},
         {"amax (dynamic-mode reduction)", amax_only, in_bytes},
         {"quantize+pack unit (codes, linear + swizzled scales)", quant, q_bytes},
+        {"quantize+pack unit (codes, linear scales)", quant_linear, in_bytes + n / 2 + n / 16},
     };
     double copy_gbps = 0;
     for (const Case& c : cases) {

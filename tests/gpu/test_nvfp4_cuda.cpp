@@ -92,9 +92,9 @@ class DeviceBuffer {
   size_t bytes_;
 };
 
-enum class Dist { kNormal, kHeavy, kTiny, kHuge, kZeroBlocks, kInf, kNaN };
+enum class Dist { kNormal, kHeavy, kTiny, kHuge, kZeroBlocks, kInf, kNaN, kTies };
 const char* dist_name(Dist d) {
-  static const char* n[] = {"normal", "heavy", "tiny", "huge", "zero-blocks", "inf", "nan"};
+  static const char* n[] = {"normal", "heavy", "tiny", "huge", "zero-blocks", "inf", "nan", "ties"};
   return n[static_cast<int>(d)];
 }
 
@@ -122,6 +122,17 @@ std::vector<float> make_input(int64_t n, Dist dist, uint32_t seed) {
   }
   if (dist == Dist::kNaN) {
     for (int k = 0; k < 1 + n / 300; ++k) x[pick(rng)] = std::nanf("");
+  }
+  if (dist == Dist::kTies) {
+    // Blocks whose amax is 6 * 2^e (S exact with a unit scale) and whose elements sit on
+    // E2M1 midpoints and grid points: every tie rule of the E2M1 rounding is exercised.
+    static const float pts[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 0.0f};
+    std::uniform_int_distribution<int> pe(-6, 6), pp(0, 13), ps(0, 1);
+    for (int64_t b = 0; b < n / 16; ++b) {
+      const float sc = std::ldexp(1.0f, pe(rng));
+      x[b * 16] = 6.0f * sc;
+      for (int i = 1; i < 16; ++i) x[b * 16 + i] = (ps(rng) ? -1.0f : 1.0f) * pts[pp(rng)] * sc;
+    }
   }
   return x;
 }
@@ -338,7 +349,8 @@ void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
 TEST(Nvfp4Cuda, RandomInputsMatchReferenceBitExactly) {
   require_gpu();
   const std::pair<int64_t, int64_t> shapes[] = {{1, 16}, {3, 48}, {37, 80}, {130, 80}, {257, 1536}, {129, 208}};
-  const Dist dists[] = {Dist::kNormal, Dist::kHeavy, Dist::kTiny, Dist::kHuge, Dist::kZeroBlocks, Dist::kInf, Dist::kNaN};
+  const Dist dists[] = {Dist::kNormal, Dist::kHeavy, Dist::kTiny,   Dist::kHuge,
+                        Dist::kZeroBlocks, Dist::kInf, Dist::kNaN, Dist::kTies};
   uint32_t seed = std::random_device{}();
   std::printf("seed %u\n", seed);
   for (const auto& [rows, cols] : shapes) {
@@ -359,9 +371,11 @@ TEST(Nvfp4Cuda, DtypeCombinationsAndLayouts) {
   for (kn::DType in : {kn::DType::kBF16, kn::DType::kF32}) {
     for (kn::DType out : {kn::DType::kBF16, kn::DType::kF32}) {
       for (Layout l : {Layout::kDense, Layout::kRowStride, Layout::kMisaligned, Layout::kPermuted3d}) {
-        for (nv::ScaleMode mode : {nv::ScaleMode::kUnit, nv::ScaleMode::kDynamic}) {
+        for (nv::ScaleMode mode : {nv::ScaleMode::kUnit, nv::ScaleMode::kDynamic, nv::ScaleMode::kStatic}) {
           run_case(99, 144, Dist::kHeavy, in, out, mode, l, ++seed);
           run_case(6, 32, Dist::kNormal, in, out, mode, l, ++seed);
+          // 4 blocks per row: quantize+pack writes the scales four at a time.
+          run_case(61, 64, Dist::kTies, in, out, mode, l, ++seed);
           if (HasFailure()) return;
         }
       }
@@ -371,9 +385,13 @@ TEST(Nvfp4Cuda, DtypeCombinationsAndLayouts) {
 
 TEST(Nvfp4Cuda, LargeRowsUseEveryThread) {
   require_gpu();
-  // More 8-element chunks than one grid-stride pass covers.
+  // More blocks than one grid-stride pass covers; odd block counts per row.
+  const uint32_t seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
   run_case(4099, 1024, Dist::kNormal, kn::DType::kBF16, kn::DType::kBF16, nv::ScaleMode::kDynamic, Layout::kDense,
-           std::random_device{}());
+           seed);
+  run_case(20001, 656, Dist::kHeavy, kn::DType::kF32, kn::DType::kBF16, nv::ScaleMode::kStatic, Layout::kRowStride,
+           seed + 1);
 }
 
 TEST(Nvfp4Cuda, GoldenVectorsBitExact) {

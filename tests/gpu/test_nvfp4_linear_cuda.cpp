@@ -95,54 +95,72 @@ TEST(Nvfp4LinearCuda, UnitOperandBitExactAgainstCpu) {
 
 TEST(Nvfp4LinearCuda, GemmWithDeviceAlphaMatchesCpu) {
   REQUIRE_GPU();
-  const int64_t m = 301, n = 77, k = 96;
+  // N = 77: d's rows are not 16-byte aligned, the bias goes through the fp32 staging
+  // copy; N = 80: cuBLASLt's bias epilogue, and once more with a bias view that is
+  // not 16-byte aligned (staged again). Each must round alpha * acc + bias once.
+  const int64_t m = 301, k = 96;
   const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
-  for (bool with_bias : {false, true}) {
-    const torch::Tensor a = vqad::ops::nvfp4_unit_operand_cpu(heavy_tailed({m, k}, 8), 2688.0f / 50.0f);
-    const torch::Tensor b = vqad::ops::nvfp4_unit_operand_cpu(heavy_tailed({n, k}, 9), 2688.0f / 20.0f);
-    const torch::Tensor bias = torch::randn({n}).to(torch::kBFloat16);
-    const float alpha = (1.0f / (2688.0f / 50.0f)) * (1.0f / (2688.0f / 20.0f));
-    torch::Tensor ab = torch::tensor({alpha, 0.0f}).cuda();
-    torch::Tensor d = torch::full({m, n}, std::numeric_limits<float>::quiet_NaN(), bf16);
-    torch::Tensor ws = torch::empty({int64_t(kl::kGemmWorkspaceBytes)}, bf16.dtype(torch::kUInt8));
-    const torch::Tensor ag = a.to(bf16), bg = b.to(bf16), biasg = bias.cuda();
-    kl::gemm_bf16_nt(ag.data_ptr(), bg.data_ptr(), with_bias ? biasg.data_ptr() : nullptr, d.data_ptr(), m, n, k,
-                     ab.data_ptr<float>(), ws.data_ptr(), kl::kGemmWorkspaceBytes, stream());
-    torch::Tensor want = torch::mm(a, b.t()) * alpha;
-    if (with_bias) want = want + bias.to(torch::kFloat32);
-    const torch::Tensor got = d.cpu().to(torch::kFloat32);
-    EXPECT_FALSE(torch::isnan(got).any().item<bool>());
-    // One bf16 rounding of the result plus fp32 accumulation-order noise.
-    const torch::Tensor tol =
-        want.abs() * std::ldexp(1.0, -8) + std::ldexp(double(k), -23) * torch::mm(a.abs(), b.abs().t()) * alpha;
-    EXPECT_TRUE(((got - want).abs() <= tol).all().item<bool>())
-        << "bias=" << with_bias << " max err " << (got - want).abs().max().item<float>();
+  for (int64_t n : {77, 80}) {
+    for (int bias_kind : {0, 1, 2}) {  // none, aligned, misaligned view
+      if (bias_kind == 2 && n % 8 != 0) continue;
+      const bool with_bias = bias_kind != 0;
+      const torch::Tensor a = vqad::ops::nvfp4_unit_operand_cpu(heavy_tailed({m, k}, 8), 2688.0f / 50.0f);
+      const torch::Tensor b = vqad::ops::nvfp4_unit_operand_cpu(heavy_tailed({n, k}, 9), 2688.0f / 20.0f);
+      const torch::Tensor bias = torch::randn({n}).to(torch::kBFloat16);
+      const float alpha = (1.0f / (2688.0f / 50.0f)) * (1.0f / (2688.0f / 20.0f));
+      torch::Tensor ab = torch::tensor({alpha, 0.0f}).cuda();
+      torch::Tensor d = torch::full({m, n}, std::numeric_limits<float>::quiet_NaN(), bf16);
+      const torch::Tensor ag = a.to(bf16), bg = b.to(bf16);
+      torch::Tensor bias_store = torch::zeros({n + 1}, bf16);
+      const torch::Tensor biasg = bias_kind == 2 ? bias_store.narrow(0, 1, n) : bias_store.narrow(0, 0, n);
+      biasg.copy_(bias.cuda());
+      const void* bias_ptr = with_bias ? biasg.data_ptr() : nullptr;
+      const size_t ws_bytes = kl::gemm_workspace_bytes(m, n, bias_ptr, d.data_ptr());
+      torch::Tensor ws = torch::empty({int64_t(ws_bytes)}, bf16.dtype(torch::kUInt8));
+      kl::gemm_bf16_nt(ag.data_ptr(), bg.data_ptr(), bias_ptr, d.data_ptr(), m, n, k, ab.data_ptr<float>(),
+                       ws.data_ptr(), ws_bytes, stream());
+      torch::Tensor want = torch::mm(a, b.t()) * alpha;
+      if (with_bias) want = want + bias.to(torch::kFloat32);
+      const torch::Tensor got = d.cpu().to(torch::kFloat32);
+      EXPECT_FALSE(torch::isnan(got).any().item<bool>());
+      // One bf16 rounding of the result plus fp32 accumulation-order noise.
+      const torch::Tensor tol =
+          want.abs() * std::ldexp(1.0, -8) + std::ldexp(double(k), -23) * torch::mm(a.abs(), b.abs().t()) * alpha;
+      EXPECT_TRUE(((got - want).abs() <= tol).all().item<bool>())
+          << "n=" << n << " bias kind " << bias_kind << " max err " << (got - want).abs().max().item<float>();
+    }
   }
 }
 
 TEST(Nvfp4LinearCuda, ForwardMatchesCpuReference) {
   REQUIRE_GPU();
   const torch::Tensor x = heavy_tailed({3, 101, 160}, 10);  // M = 303
-  const torch::Tensor w = heavy_tailed({83, 160}, 11) * 0.03;
-  const torch::Tensor b = torch::randn({83});
-  for (auto mode : {ScaleMode::kDynamic, ScaleMode::kStatic, ScaleMode::kUnit}) {
-    for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
-      for (bool with_bias : {true, false}) {
-        const torch::Tensor xd = x.to(dt);
-        const torch::Tensor bb = with_bias ? b : torch::Tensor();
-        const torch::Tensor cpu = vqad::ops::nvfp4_linear(xd, w, bb, mode, 6.5f);
-        const torch::Tensor gpu = vqad::ops::nvfp4_linear(xd.cuda(), w.cuda(), with_bias ? b.cuda() : bb, mode, 6.5f);
-        ASSERT_EQ(gpu.sizes(), cpu.sizes());
-        ASSERT_EQ(gpu.scalar_type(), dt);
-        const torch::Tensor g = gpu.cpu().to(torch::kFloat32), c = cpu.to(torch::kFloat32);
-        EXPECT_FALSE(torch::isnan(g).any().item<bool>());
-        // Both are bf16(alpha * acc + b); they differ only in the fp32 accumulation
-        // order, so at most by one bf16 ulp where a sum lands near a rounding boundary.
-        const torch::Tensor tol = c.abs() * std::ldexp(1.0, -7) + 1e-5 * c.abs().max();
-        const double frac_exact = (g == c).to(torch::kFloat64).mean().item<double>();
-        EXPECT_TRUE(((g - c).abs() <= tol).all().item<bool>())
-            << vqad::nvfp4::scale_mode_name(mode) << " " << dt << " max err " << (g - c).abs().max().item<float>();
-        EXPECT_GT(frac_exact, 0.9) << vqad::nvfp4::scale_mode_name(mode) << " " << dt;
+  // N = 83: the bias takes the staged fp32 path; N = 88: cuBLASLt's bias epilogue.
+  for (int64_t n : {83, 88}) {
+    const torch::Tensor w = heavy_tailed({n, 160}, 11) * 0.03;
+    const torch::Tensor b = torch::randn({n});
+    for (auto mode : {ScaleMode::kDynamic, ScaleMode::kStatic, ScaleMode::kUnit}) {
+      for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
+        for (bool with_bias : {true, false}) {
+          const torch::Tensor xd = x.to(dt);
+          const torch::Tensor bb = with_bias ? b : torch::Tensor();
+          const torch::Tensor cpu = vqad::ops::nvfp4_linear(xd, w, bb, mode, 6.5f);
+          const torch::Tensor gpu = vqad::ops::nvfp4_linear(xd.cuda(), w.cuda(), with_bias ? b.cuda() : bb, mode, 6.5f);
+          ASSERT_EQ(gpu.sizes(), cpu.sizes());
+          ASSERT_EQ(gpu.scalar_type(), dt);
+          const torch::Tensor g = gpu.cpu().to(torch::kFloat32), c = cpu.to(torch::kFloat32);
+          EXPECT_FALSE(torch::isnan(g).any().item<bool>());
+          // Both are bf16(alpha * acc + b) returned in x's dtype (compute dtype BF16,
+          // spec/linear_qat.md; fp32 inputs too); they differ only in the fp32 accumulation
+          // order, so at most by one bf16 ulp where a sum lands near a rounding boundary.
+          const torch::Tensor tol = c.abs() * std::ldexp(1.0, -7) + 1e-5 * c.abs().max();
+          const double frac_exact = (g == c).to(torch::kFloat64).mean().item<double>();
+          EXPECT_TRUE(((g - c).abs() <= tol).all().item<bool>())
+              << "N=" << n << " " << vqad::nvfp4::scale_mode_name(mode) << " " << dt << " bias=" << with_bias
+              << " max err " << (g - c).abs().max().item<float>();
+          EXPECT_GT(frac_exact, 0.9) << "N=" << n << " " << vqad::nvfp4::scale_mode_name(mode) << " " << dt
+                                     << " bias=" << with_bias;
+        }
       }
     }
   }

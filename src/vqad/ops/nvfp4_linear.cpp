@@ -130,11 +130,14 @@ torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, 
   kl::launch_unit_operand(w2.data_ptr(), elem_type(w2), n, k, s + 3, wu.data_ptr(), stream);
   torch::Tensor bias_bf16;
   if (bias.defined()) bias_bf16 = bias.to(torch::kBFloat16).contiguous();
+  // Compute dtype BF16 (spec/linear_qat.md): one bf16 rounding of alpha * acc + bias, then
+  // x's dtype, exactly as forward_cpu.
   torch::Tensor y = torch::empty({m, n}, bf16);
-  torch::Tensor workspace =
-      torch::empty({static_cast<int64_t>(kl::kGemmWorkspaceBytes)}, x.options().dtype(torch::kUInt8));
-  kl::gemm_bf16_nt(xu.data_ptr(), wu.data_ptr(), bias_bf16.defined() ? bias_bf16.data_ptr() : nullptr,
-                   y.data_ptr(), m, n, k, s + 4, workspace.data_ptr(), kl::kGemmWorkspaceBytes, stream);
+  const void* bias_ptr = bias_bf16.defined() ? bias_bf16.data_ptr() : nullptr;
+  const size_t ws_bytes = kl::gemm_workspace_bytes(m, n, bias_ptr, y.data_ptr());
+  torch::Tensor workspace = torch::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(torch::kUInt8));
+  kl::gemm_bf16_nt(xu.data_ptr(), wu.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, s + 4, workspace.data_ptr(),
+                   ws_bytes, stream);
   return y.to(x.scalar_type()).reshape(output_shape(x, n));
 }
 #endif

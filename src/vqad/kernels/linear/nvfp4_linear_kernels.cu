@@ -173,6 +173,19 @@ __global__ void unit_operand_kernel(const T* __restrict__ x, int64_t half_blocks
   }
 }
 
+// d[r, c] = bf16(d32[r, c] + bias[c]): the bias epilogue for the staged (fp32) GEMM
+// output, in the order of the CPU reference (alpha * acc in fp32, + bias in fp32, one
+// rounding to bf16). Threads run along the columns, CTAs' y over the rows.
+__global__ void bias_add_bf16_kernel(const float* __restrict__ d32, const __nv_bfloat16* __restrict__ bias,
+                                     int64_t m, int64_t n, __nv_bfloat16* __restrict__ d) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= n) return;
+  const float b = __bfloat162float(bias[c]);
+  for (int64_t r = blockIdx.y; r < m; r += gridDim.y) {
+    d[r * n + c] = __float2bfloat16_rn(__fadd_rn(d32[r * n + c], b));
+  }
+}
+
 int grid_for(int64_t work_items) {
   const int64_t blocks = (work_items + kThreads - 1) / kThreads;
   return int(std::max<int64_t>(1, std::min<int64_t>(blocks, 8192)));
@@ -295,11 +308,46 @@ void launch_unit_operand(const void* x, ElemType type, int64_t rows, int64_t col
   VQAD_CUDA_CHECK_LAUNCH("nvfp4 linear: unit_operand_kernel");
 }
 
+namespace {
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether cuBLASLt's bias epilogue rounds only once for this output: measured on sm_90
+// (cuBLASLt 13.1), its kernels for BF16 outputs whose rows are not 16-byte aligned
+// (N = 77, 83, 301), or for a bias pointer that is not, add the bias to alpha * acc
+// already rounded to bf16; the aligned ones (N = 8, 24, 80, 88, 128, 1536) round
+// alpha * acc + bias once.
+bool bias_epilogue_rounds_once(int64_t n, const void* bias, const void* d) {
+  return n % 8 == 0 && aligned16(bias) && aligned16(d);
+}
+
+size_t staging_bytes(int64_t m, int64_t n) { return (size_t(m) * size_t(n) * sizeof(float) + 255) / 256 * 256; }
+}  // namespace
+
+size_t gemm_workspace_bytes(int64_t m, int64_t n, const void* bias, const void* d) {
+  const bool stage = bias != nullptr && !bias_epilogue_rounds_once(n, bias, d);
+  return kGemmWorkspaceBytes + (stage ? staging_bytes(m, n) : 0);
+}
+
 void gemm_bf16_nt(const void* a, const void* b, const void* bias, void* d, int64_t m, int64_t n, int64_t k,
                   const float* alpha_beta, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (m == 0 || n == 0) return;
+  const bool stage = bias != nullptr && !bias_epilogue_rounds_once(n, bias, d);
+  const size_t need = gemm_workspace_bytes(m, n, bias, d);
+  if (workspace_bytes < need) {
+    throw std::runtime_error("nvfp4 linear: GEMM M=" + std::to_string(m) + " N=" + std::to_string(n) +
+                             " needs a workspace of " + std::to_string(need) + " bytes (gemm_workspace_bytes), got " +
+                             std::to_string(workspace_bytes));
+  }
+  void* d_gemm = d;
+  size_t lt_workspace_bytes = workspace_bytes;
+  if (stage) {
+    check_aligned(workspace, 256, "GEMM workspace");
+    d_gemm = static_cast<char*>(workspace) + kGemmWorkspaceBytes;
+    lt_workspace_bytes = kGemmWorkspaceBytes;
+  }
   // Row-major d[M,N] is column-major d^T[N,M] = b[N,K] . a[M,K]^T; in cuBLASLt terms
-  // A := b (column-major K x N, transposed), B := a (column-major K x M).
+  // A := b (column-major K x N, transposed), B := a (column-major K x M). The bias
+  // epilogue adds a vector of length rows(D) = N, i.e. bias[n] along d's columns.
   cublasLtHandle_t handle = lt_handle();
   LtDescs desc;
   VQAD_LT_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -309,7 +357,7 @@ void gemm_bf16_nt(const void* a, const void* b, const void* bias, void* d, int64
   const cublasLtPointerMode_t pointer_mode = CUBLASLT_POINTER_MODE_DEVICE;
   VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode,
                                                sizeof(pointer_mode)));
-  if (bias) {
+  if (bias && !stage) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     VQAD_LT_CHECK(
         cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
@@ -318,12 +366,13 @@ void gemm_bf16_nt(const void* a, const void* b, const void* bias, void* d, int64
     VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
                                                  sizeof(bias_type)));
   }
+  const cudaDataType_t d_type = stage ? CUDA_R_32F : CUDA_R_16BF;
   VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, uint64_t(k), uint64_t(n), k));
   VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, uint64_t(k), uint64_t(m), k));
-  VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_16BF, uint64_t(n), uint64_t(m), n));
+  VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, d_type, uint64_t(n), uint64_t(m), n));
   VQAD_LT_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
   VQAD_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                     &workspace_bytes, sizeof(workspace_bytes)));
+                                                     &lt_workspace_bytes, sizeof(lt_workspace_bytes)));
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
   VQAD_LT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
@@ -332,8 +381,15 @@ void gemm_bf16_nt(const void* a, const void* b, const void* bias, void* d, int64
     throw std::runtime_error("nvfp4 linear: cuBLASLt found no BF16 GEMM algorithm for M=" + std::to_string(m) +
                              " N=" + std::to_string(n) + " K=" + std::to_string(k));
   }
-  VQAD_LT_CHECK(cublasLtMatmul(handle, desc.op, alpha_beta, b, desc.a, a, desc.b, alpha_beta + 1, d, desc.d, d,
-                               desc.d, &heuristic.algo, workspace, workspace_bytes, stream));
+  VQAD_LT_CHECK(cublasLtMatmul(handle, desc.op, alpha_beta, b, desc.a, a, desc.b, alpha_beta + 1, d_gemm, desc.d,
+                               d_gemm, desc.d, &heuristic.algo, workspace, lt_workspace_bytes, stream));
+  if (stage) {
+    const dim3 grid(unsigned((n + kThreads - 1) / kThreads), unsigned(std::min<int64_t>(m, 4096)));
+    bias_add_bf16_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(d_gemm),
+                                                        static_cast<const __nv_bfloat16*>(bias), m, n,
+                                                        static_cast<__nv_bfloat16*>(d));
+    VQAD_CUDA_CHECK_LAUNCH("nvfp4 linear: bias_add_bf16_kernel");
+  }
 }
 
 }  // namespace vqad::kernels::linear

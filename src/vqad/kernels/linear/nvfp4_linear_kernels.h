@@ -39,10 +39,20 @@ void launch_unit_operand(const void* x, ElemType type, int64_t rows, int64_t col
 // d[M, N] (row-major bf16) = alpha * a[M, K] . b[N, K]^T + bias[N], accumulated in
 // fp32, rounded once to bf16. a, b row-major bf16; bias bf16 or nullptr.
 // alpha_beta points to two device floats {alpha, beta}; beta must be 0.
+// The bias goes through cuBLASLt's bias epilogue when d's rows are 16-byte aligned
+// (n % 8 == 0, d and bias 16-byte aligned). Otherwise cuBLASLt's BF16 kernels round
+// alpha * acc to bf16 before adding the bias (a second rounding, up to two bf16 ulps
+// off), so the GEMM writes an fp32 staging copy of d into the workspace and a small
+// kernel adds the bias and rounds once. The workspace must hold
+// gemm_workspace_bytes(m, n, bias, d) bytes (256-byte aligned).
 void gemm_bf16_nt(const void* a, const void* b, const void* bias, void* d, int64_t m, int64_t n, int64_t k,
                   const float* alpha_beta, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
-// Workspace size gemm_bf16_nt should be given.
+// cuBLASLt's own workspace (the whole workspace when no staging copy is needed).
 inline constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
+
+// Workspace gemm_bf16_nt needs for these arguments: kGemmWorkspaceBytes, plus the fp32
+// staging copy of d when the bias cannot use the epilogue.
+size_t gemm_workspace_bytes(int64_t m, int64_t n, const void* bias, const void* d);
 
 }  // namespace vqad::kernels::linear

@@ -1,13 +1,26 @@
-// NVFP4 CUDA kernels. Work split: two threads per 16-element block, eight
-// elements each (one 16-byte load for BF16, two for FP32), the block amax
-// combined with one shuffle. Memory bound: no shared memory, grid-stride loops
-// over a flat index of 8-element chunks. The arithmetic is nvfp4_math.h, the
-// same code the CPU tests check against the scalar reference.
+// NVFP4 CUDA kernels. Work split: one thread per 16-element block (two 16-byte
+// loads for BF16, four for FP32), kB blocks per thread and loop iteration with
+// all loads of an iteration issued before any arithmetic, so that enough bytes
+// are in flight to keep HBM busy; consecutive threads take consecutive blocks,
+// grid-stride over the flat block index with a grid sized to the SM count and
+// the kernel's occupancy. The arithmetic is nvfp4_math.h, the code the CPU
+// tests check against the scalar reference: per block the E4M3 scale (the
+// hardware cvt.rn.satfinite.e4m3x2 on sm_89+, equal to e4m3_encode_nonneg for
+// every non-negative float) and, from a 128-entry table in shared memory, its
+// value S and 1 / (S * s_dec); per element a handful of fp32 operations (E2M1
+// rounding by one magic-constant add, see e2m1_round_magnitude), BF16 outputs
+// packed two at a time. NaN and all-zero blocks take the general per-element
+// path (out of line). quantize+pack gathers the scale bytes of four blocks with
+// two warp shuffles and writes them (linear and 128x4-swizzled) as 32-bit words.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <map>
+#include <mutex>
 #include <sstream>
+#include <utility>
 
 #include "vqad/core/error.h"
 #include "vqad/kernels/common/cuda_check.h"
@@ -18,7 +31,22 @@ namespace vqad::kernels::nvfp4 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kChunk = 8;  // elements per thread
+constexpr int kBlk = 16;  // elements per scale block
+// 16-element blocks per thread and loop iteration (measured on an H200 at the
+// Wan shapes: fake-quant is fastest with 4, quantize+pack with 1).
+#ifndef VQAD_NVFP4_FQ_BLOCKS
+#define VQAD_NVFP4_FQ_BLOCKS 4
+#endif
+#ifndef VQAD_NVFP4_Q_BLOCKS
+#define VQAD_NVFP4_Q_BLOCKS 1
+#endif
+constexpr int kFqBlocks = VQAD_NVFP4_FQ_BLOCKS;  // for BF16 inputs; FP32 blocks are twice the bytes
+template <typename TIn>
+__host__ __device__ constexpr int fq_blocks() {
+  return sizeof(TIn) == 2 || kFqBlocks == 1 ? kFqBlocks : kFqBlocks / 2;
+}
+constexpr int kQBlocks = VQAD_NVFP4_Q_BLOCKS;
+constexpr int kAmaxBlocks = 4;
 
 // Leading dims of a view after dropping size-1 dims and merging dims that are
 // contiguous with each other; a flat row index maps to an element offset.
@@ -39,166 +67,357 @@ __device__ __forceinline__ int64_t row_offset(const RowMap& m, int64_t row) {
   return off;
 }
 
-// Flat chunk index -> (row, first column); 32-bit fast path when it fits.
-struct ChunkIndex {
+// Flat block index -> (row, block column); 32-bit fast path when it fits.
+struct BlockIndex {
   FastDiv div32;
-  int64_t chunks_per_row = 1;
+  int64_t blocks_per_row = 1;
+  int64_t total = 0;  // number of 16-element blocks
   bool use32 = true;
 };
 
-__device__ __forceinline__ void split_chunk(const ChunkIndex& ci, int64_t t, int64_t& row,
-                                            int64_t& col) {
-  if (ci.use32) {
-    const uint32_t r = ci.div32.div(static_cast<uint32_t>(t));
+__device__ __forceinline__ void split_block(const BlockIndex& bi, int64_t blk, int64_t& row, int64_t& kb) {
+  if (bi.use32) {
+    const uint32_t r = bi.div32.div(static_cast<uint32_t>(blk));
     row = r;
-    col = (t - static_cast<int64_t>(r) * ci.chunks_per_row) * kChunk;
+    kb = blk - static_cast<int64_t>(r) * bi.blocks_per_row;
   } else {
-    row = t / ci.chunks_per_row;
-    col = (t - row * ci.chunks_per_row) * kChunk;
+    row = blk / bi.blocks_per_row;
+    kb = blk - row * bi.blocks_per_row;
   }
 }
 
-__device__ __forceinline__ float bf16_bits_to_float(uint32_t b) { return u2f(b << 16); }
+// Element offset of block `blk` in a view; kDense: rows are back to back.
+template <bool kDense>
+__device__ __forceinline__ int64_t block_offset(const RowMap& m, const BlockIndex& bi, int64_t blk) {
+  if (kDense) return blk * kBlk;
+  int64_t row, kb;
+  split_block(bi, blk, row, kb);
+  return row_offset(m, row) + kb * kBlk;
+}
 
-template <typename T, bool kVec>
-__device__ __forceinline__ void load8(const T* p, float (&v)[kChunk]);
-
+// --- loads and stores of one 16-element block --------------------------------------------
+// Raw block: BF16 as 8 words of two elements, FP32 as 16 words.
+template <typename T>
+struct RawBlock;
 template <>
-__device__ __forceinline__ void load8<uint16_t, true>(const uint16_t* p, float (&v)[kChunk]) {
-  const uint4 w = __ldg(reinterpret_cast<const uint4*>(p));
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+struct RawBlock<uint16_t> {
+  uint32_t w[8];
+  __device__ __forceinline__ float at(int i) const {
+    return u2f((i & 1) ? (w[i >> 1] & 0xFFFF0000u) : (w[i >> 1] << 16));
+  }
+  // |element i| (sign cleared) and the element's sign bit at bit 31.
+  __device__ __forceinline__ float abs_at(int i) const {
+    const uint32_t a = w[i >> 1] & 0x7FFF7FFFu;
+    return u2f((i & 1) ? (a & 0xFFFF0000u) : (a << 16));
+  }
+  __device__ __forceinline__ uint32_t sign_at(int i) const {
+    return (i & 1) ? (w[i >> 1] & 0x80000000u) : ((w[i >> 1] << 16) & 0x80000000u);
+  }
+};
+template <>
+struct RawBlock<float> {
+  uint32_t w[16];
+  __device__ __forceinline__ float at(int i) const { return u2f(w[i]); }
+  __device__ __forceinline__ float abs_at(int i) const { return u2f(w[i] & kAbsMask); }
+  __device__ __forceinline__ uint32_t sign_at(int i) const { return w[i] & 0x80000000u; }
+};
+
+template <bool kVec>
+__device__ __forceinline__ void load_block(const uint16_t* __restrict__ p, RawBlock<uint16_t>& r) {
+  if (kVec) {
+    const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+    const uint4 b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+    r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+    r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+  } else {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = u2f(words[i] << 16);
-    v[2 * i + 1] = u2f(words[i] & 0xFFFF0000u);
+    for (int i = 0; i < 8; ++i) {
+      r.w[i] = static_cast<uint32_t>(__ldg(p + 2 * i)) | (static_cast<uint32_t>(__ldg(p + 2 * i + 1)) << 16);
+    }
   }
 }
-template <>
-__device__ __forceinline__ void load8<uint16_t, false>(const uint16_t* p, float (&v)[kChunk]) {
+template <bool kVec>
+__device__ __forceinline__ void load_block(const float* __restrict__ p, RawBlock<float>& r) {
+  if (kVec) {
 #pragma unroll
-  for (int i = 0; i < kChunk; ++i) v[i] = bf16_bits_to_float(__ldg(p + i));
-}
-template <>
-__device__ __forceinline__ void load8<float, true>(const float* p, float (&v)[kChunk]) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-template <>
-__device__ __forceinline__ void load8<float, false>(const float* p, float (&v)[kChunk]) {
+    for (int q = 0; q < 4; ++q) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(p) + q);
+      r.w[4 * q] = a.x; r.w[4 * q + 1] = a.y; r.w[4 * q + 2] = a.z; r.w[4 * q + 3] = a.w;
+    }
+  } else {
 #pragma unroll
-  for (int i = 0; i < kChunk; ++i) v[i] = __ldg(p + i);
+    for (int i = 0; i < 16; ++i) r.w[i] = f2u(__ldg(p + i));
+  }
 }
 
-__device__ __forceinline__ uint32_t bf16_rn_bits(float f) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+// max |x| of the block as fp32 bits (NaN above +inf, so it propagates).
+__device__ __forceinline__ uint32_t vmax_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  return __vmaxu2(a, b);
+#endif
+}
+__device__ __forceinline__ uint32_t block_amax_bits(const RawBlock<uint16_t>& r) {
+  uint32_t m = r.w[0] & 0x7FFF7FFFu;
+#pragma unroll
+  for (int i = 1; i < 8; ++i) m = vmax_u16x2(m, r.w[i] & 0x7FFF7FFFu);
+  return max(m << 16, m & 0xFFFF0000u);
+}
+__device__ __forceinline__ uint32_t block_amax_bits(const RawBlock<float>& r) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = max(m, r.w[i] & kAbsMask);
+  return m;
 }
 
-template <typename T, bool kVec>
-__device__ __forceinline__ void store8(T* p, const float (&v)[kChunk]);
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // one cvt.rn.bf16x2.f32
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
 
-template <>
-__device__ __forceinline__ void store8<uint16_t, true>(uint16_t* p, const float (&v)[kChunk]) {
-  uint4 w;
-  w.x = bf16_rn_bits(v[0]) | (bf16_rn_bits(v[1]) << 16);
-  w.y = bf16_rn_bits(v[2]) | (bf16_rn_bits(v[3]) << 16);
-  w.z = bf16_rn_bits(v[4]) | (bf16_rn_bits(v[5]) << 16);
-  w.w = bf16_rn_bits(v[6]) | (bf16_rn_bits(v[7]) << 16);
-  *reinterpret_cast<uint4*>(p) = w;
-}
-template <>
-__device__ __forceinline__ void store8<uint16_t, false>(uint16_t* p, const float (&v)[kChunk]) {
+template <bool kVec>
+__device__ __forceinline__ void store_block(uint16_t* __restrict__ p, const float (&v)[kBlk]) {
+  uint32_t w[8];
 #pragma unroll
-  for (int i = 0; i < kChunk; ++i) p[i] = static_cast<uint16_t>(bf16_rn_bits(v[i]));
-}
-template <>
-__device__ __forceinline__ void store8<float, true>(float* p, const float (&v)[kChunk]) {
-  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-template <>
-__device__ __forceinline__ void store8<float, false>(float* p, const float (&v)[kChunk]) {
+  for (int i = 0; i < 8; ++i) w[i] = pack_bf16x2(v[2 * i], v[2 * i + 1]);
+  if (kVec) {
+    reinterpret_cast<uint4*>(p)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    reinterpret_cast<uint4*>(p)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  } else {
 #pragma unroll
-  for (int i = 0; i < kChunk; ++i) p[i] = v[i];
+    for (int i = 0; i < 8; ++i) {
+      p[2 * i] = static_cast<uint16_t>(w[i]);
+      p[2 * i + 1] = static_cast<uint16_t>(w[i] >> 16);
+    }
+  }
+}
+template <bool kVec>
+__device__ __forceinline__ void store_block(float* __restrict__ p, const float (&v)[kBlk]) {
+  if (kVec) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      reinterpret_cast<float4*>(p)[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBlk; ++i) p[i] = v[i];
+  }
 }
 
 __device__ __forceinline__ float resolve_scale(const EncodeScale& s) {
   return s.amax_device ? encode_scale_from_amax(*s.amax_device) : s.value;
 }
 
-__device__ __forceinline__ uint32_t chunk_amax_bits(const float (&v)[kChunk]) {
-  uint32_t m = 0;
+// --- the block scale ------------------------------------------------------------------------
+// E4M3 byte of v >= 0 (+inf included; NaN is handled by the caller).
+__device__ __forceinline__ uint32_t e4m3_encode_fast(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(VQAD_NVFP4_NO_HW_E4M3)
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+#else
+  return e4m3_encode_nonneg(v);
+#endif
+}
+
+// {S, 1 / (S * s_dec)} for every E4M3 byte 0..127, built by each CTA at start.
+struct ScaleTable {
+  float2 e[128];
+};
+
+__device__ __forceinline__ void fill_scale_table(ScaleTable& t, float s_dec) {
+  for (int i = threadIdx.x; i < 128; i += blockDim.x) {
+    const float S = e4m3_decode(static_cast<uint32_t>(i));
+    t.e[i] = make_float2(S, div_rn(1.0f, mul_rn(S, s_dec)));
+  }
+  __syncthreads();
+}
+
+// block_scale() of nvfp4_math.h, with S and inv from the table. `special`: a NaN or
+// all-zero block, which takes the general path.
+struct FastScale {
+  uint32_t bits;
+  float S, inv;
+  bool special;
+};
+
+__device__ __forceinline__ FastScale fast_block_scale(uint32_t amax_abs_bits, float s_enc, const ScaleTable& t) {
+  FastScale f;
+  const float scaled = mul_rn(div_rn(u2f(amax_abs_bits), 6.0f), s_enc);
+  const bool nan = bits_are_nan(amax_abs_bits) || scaled != scaled;
+  f.bits = nan ? 0x7Fu : e4m3_encode_fast(scaled);
+  const float2 e = t.e[f.bits];
+  f.S = e.x;
+  f.inv = e.y;
+  f.special = nan || f.S == 0.0f;
+  return f;
+}
+
+// --- per-block work -----------------------------------------------------------------------
+// General path (NaN or zero blocks, rare): the reference-shaped element_code /
+// code_value, out of line so that the hot loop stays small. Writes the block.
+template <bool kVec, typename TIn, typename TOut>
+__device__ __noinline__ void fake_quantize_block_general(RawBlock<TIn> r, float s_enc, float s_dec, TOut* dst) {
+  const BlockScale b = block_scale(block_amax_bits(r), s_enc, s_dec);
+  float out[kBlk];
 #pragma unroll
-  for (int i = 0; i < kChunk; ++i) m = max(m, abs_bits(v[i]));
-  return m;
+  for (int i = 0; i < kBlk; ++i) out[i] = code_value(element_code(r.at(i), b), b);
+  store_block<kVec>(dst, out);
+}
+
+template <bool kVec, bool kUnitDec, typename TIn, typename TOut>
+__device__ __forceinline__ void fake_quantize_block(const RawBlock<TIn>& r, float s_enc, float s_dec,
+                                                    const ScaleTable& t, TOut* dst) {
+  const FastScale f = fast_block_scale(block_amax_bits(r), s_enc, t);
+  if (f.special) {
+    fake_quantize_block_general<kVec>(r, s_enc, s_dec, dst);
+    return;
+  }
+  float out[kBlk];
+#pragma unroll
+  for (int i = 0; i < kBlk; ++i) {
+    // element_value_regular, with |x| and the sign taken from the raw bits.
+    const float q = e2m1_round_magnitude(mul_rn(r.abs_at(i), f.inv));
+    float m = mul_rn(q, f.S);
+    if (!kUnitDec) m = mul_rn(m, s_dec);
+    out[i] = u2f(f2u(m) | r.sign_at(i));
+  }
+  store_block<kVec>(dst, out);
+}
+
+// Packed codes of a block (element 2i in the low nibble of byte i): general path.
+template <typename TIn>
+__device__ __noinline__ uint2 quantize_block_general(RawBlock<TIn> r, float s_enc, float s_dec) {
+  const BlockScale b = block_scale(block_amax_bits(r), s_enc, s_dec);
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int i = 0; i < kBlk; ++i) {
+    const uint32_t code = element_code(r.at(i), b);
+    if (i < 8) lo |= code << (4 * i);
+    else hi |= code << (4 * (i - 8));
+  }
+  return make_uint2(lo, hi);
+}
+
+template <typename TIn>
+__device__ __forceinline__ uint2 quantize_block_regular(const RawBlock<TIn>& r, float inv) {
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int i = 0; i < kBlk; ++i) {
+    const uint32_t code = e2m1_code_magnitude(mul_rn(r.abs_at(i), inv)) | (r.sign_at(i) >> 28);
+    if (i < 8) lo |= code << (4 * i);
+    else hi |= code << (4 * (i - 8));
+  }
+  return make_uint2(lo, hi);
 }
 
 // --- kernels ---------------------------------------------------------------------------
-// Loops run over block-uniform bases so both threads of a 16-block (t, t^1) are
-// always in the same iteration and the full-warp shuffle is well defined.
+// A CTA-uniform `tile` walks the flat block index; thread t of the CTA takes blocks
+// tile + j * kThreads + t, j < kB: a warp's loads for one j are 32 consecutive blocks,
+// and all threads of a CTA run the same number of iterations (warp shuffles are safe).
 
-template <typename TIn, typename TOut, bool kVec>
-__global__ void __launch_bounds__(kThreads)
-    fake_quantize_kernel(const TIn* __restrict__ x, TOut* __restrict__ y, RowMap xm, RowMap ym,
-                         ChunkIndex ci, int64_t total, EncodeScale sc) {
-  const float s_enc = resolve_scale(sc);
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < total; base += step) {
-    const int64_t t = base + threadIdx.x;
-    const bool active = t < total;
-    float v[kChunk];
-    int64_t row = 0, col = 0;
-    uint32_t m = 0;
-    if (active) {
-      split_chunk(ci, t, row, col);
-      load8<TIn, kVec>(x + row_offset(xm, row) + col, v);
-      m = chunk_amax_bits(v);
-    }
-    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-    if (active) {
-      const BlockScale b = block_scale(m, s_enc);
-      float out[kChunk];
+template <typename TIn, typename TOut, bool kVec, bool kDense, bool kUnitDec>
+__device__ __forceinline__ void fake_quantize_loop(const TIn* __restrict__ x, TOut* __restrict__ y,
+                                                   const RowMap& xm, const RowMap& ym, const BlockIndex& bi,
+                                                   float s_enc, float s_dec, const ScaleTable& t) {
+  constexpr int kB = fq_blocks<TIn>();
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kB;
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kThreads * kB; tile < bi.total; tile += step) {
+    RawBlock<TIn> r[kB];
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) out[i] = code_value(element_code(v[i], b), b);
-      store8<TOut, kVec>(y + row_offset(ym, row) + col, out);
+    for (int j = 0; j < kB; ++j) {
+      const int64_t blk = tile + j * kThreads + threadIdx.x;
+      if (blk < bi.total) load_block<kVec>(x + block_offset<kDense>(xm, bi, blk), r[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kB; ++j) {
+      const int64_t blk = tile + j * kThreads + threadIdx.x;
+      if (blk < bi.total) {
+        fake_quantize_block<kVec, kUnitDec>(r[j], s_enc, s_dec, t, y + block_offset<kDense>(ym, bi, blk));
+      }
     }
   }
 }
 
-template <typename TIn, bool kVec>
+template <typename TIn, typename TOut, bool kVec, bool kDense>
 __global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const TIn* __restrict__ x, RowMap xm, ChunkIndex ci, int64_t total,
-                    EncodeScale sc, uint8_t* __restrict__ packed, uint8_t* __restrict__ scales,
-                    uint8_t* __restrict__ swizzled, int64_t scale_cols) {
+    fake_quantize_kernel(const TIn* __restrict__ x, TOut* __restrict__ y, RowMap xm, RowMap ym, BlockIndex bi,
+                         EncodeScale sc) {
+  __shared__ ScaleTable table;
   const float s_enc = resolve_scale(sc);
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t col_tiles = (scale_cols + 3) / 4;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < total; base += step) {
-    const int64_t t = base + threadIdx.x;
-    const bool active = t < total;
-    float v[kChunk];
-    int64_t row = 0, col = 0;
-    uint32_t m = 0;
-    if (active) {
-      split_chunk(ci, t, row, col);
-      load8<TIn, kVec>(x + row_offset(xm, row) + col, v);
-      m = chunk_amax_bits(v);
-    }
-    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-    if (active) {
-      const BlockScale b = block_scale(m, s_enc);
-      uint32_t word = 0;
+  const float s_dec = div_rn(1.0f, s_enc);
+  fill_scale_table(table, s_dec);
+  if (s_dec == 1.0f) {
+    fake_quantize_loop<TIn, TOut, kVec, kDense, true>(x, y, xm, ym, bi, s_enc, s_dec, table);
+  } else {
+    fake_quantize_loop<TIn, TOut, kVec, kDense, false>(x, y, xm, ym, bi, s_enc, s_dec, table);
+  }
+}
+
+__device__ __forceinline__ int64_t swizzled_offset(int64_t row, int64_t k, int64_t col_tiles) {
+  return ((row >> 7) * col_tiles + (k >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (k & 3);
+}
+
+// kGroup4: blocks_per_row % 4 == 0 and 4-byte aligned scale outputs, so the scale
+// bytes of blocks 4g..4g+3 (one row, k = 4t..4t+3) are 4 contiguous bytes in both
+// layouts and are written as one word by lane 4g of the warp.
+template <typename TIn, bool kVec, bool kDense, bool kGroup4>
+__global__ void __launch_bounds__(kThreads)
+    quantize_kernel(const TIn* __restrict__ x, RowMap xm, BlockIndex bi, EncodeScale sc,
+                    uint8_t* __restrict__ packed, bool packed8, uint8_t* __restrict__ scales,
+                    uint8_t* __restrict__ swizzled) {
+  constexpr int kB = kQBlocks;
+  __shared__ ScaleTable table;
+  const float s_enc = resolve_scale(sc);
+  const float s_dec = div_rn(1.0f, s_enc);
+  fill_scale_table(table, s_dec);
+  const int64_t col_tiles = (bi.blocks_per_row + 3) / 4;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kB;
+  const int lane = threadIdx.x & 31;
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kThreads * kB; tile < bi.total; tile += step) {
+    RawBlock<TIn> r[kB];
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) word |= element_code(v[i], b) << (4 * i);
-      if (packed) reinterpret_cast<uint32_t*>(packed)[t] = word;
-      if ((t & 1) == 0) {
-        const int64_t k = col / 16;
-        if (scales) scales[t >> 1] = static_cast<uint8_t>(b.bits);
+    for (int j = 0; j < kB; ++j) {
+      const int64_t blk = tile + j * kThreads + threadIdx.x;
+      if (blk < bi.total) load_block<kVec>(x + block_offset<kDense>(xm, bi, blk), r[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kB; ++j) {
+      const int64_t blk = tile + j * kThreads + threadIdx.x;
+      const bool active = blk < bi.total;
+      uint32_t bits = 0;
+      if (active) {
+        const FastScale f = fast_block_scale(block_amax_bits(r[j]), s_enc, table);
+        bits = f.bits;
+        if (packed) {
+          const uint2 c = f.special ? quantize_block_general(r[j], s_enc, s_dec) : quantize_block_regular(r[j], f.inv);
+          if (packed8) {
+            reinterpret_cast<uint2*>(packed)[blk] = c;
+          } else {
+            reinterpret_cast<uint32_t*>(packed)[2 * blk] = c.x;
+            reinterpret_cast<uint32_t*>(packed)[2 * blk + 1] = c.y;
+          }
+        }
+      }
+      if (kGroup4) {
+        // Lane l collects the bytes of blocks l..l+3 (all lanes take part).
+        bits |= __shfl_down_sync(0xFFFFFFFFu, bits, 1) << 8;
+        bits |= __shfl_down_sync(0xFFFFFFFFu, bits, 2) << 16;
+        if (active && (lane & 3) == 0) {
+          if (scales) *reinterpret_cast<uint32_t*>(scales + blk) = bits;
+          if (swizzled) {
+            int64_t row, k;
+            split_block(bi, blk, row, k);
+            *reinterpret_cast<uint32_t*>(swizzled + swizzled_offset(row, k, col_tiles)) = bits;
+          }
+        }
+      } else if (active) {
+        if (scales) scales[blk] = static_cast<uint8_t>(bits);
         if (swizzled) {
-          const int64_t off = ((row / 128) * col_tiles + k / 4) * 512 + (row % 32) * 16 +
-                              ((row % 128) / 32) * 4 + k % 4;
-          swizzled[off] = static_cast<uint8_t>(b.bits);
+          int64_t row, k;
+          split_block(bi, blk, row, k);
+          swizzled[swizzled_offset(row, k, col_tiles)] = static_cast<uint8_t>(bits);
         }
       }
     }
@@ -207,50 +426,49 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename TOut, bool kVec>
 __global__ void __launch_bounds__(kThreads)
-    dequantize_kernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scales,
-                      bool swizzled, int64_t scale_cols, TOut* __restrict__ y, RowMap ym,
-                      ChunkIndex ci, int64_t total, EncodeScale sc) {
+    dequantize_kernel(const uint8_t* __restrict__ packed, const uint8_t* __restrict__ scales, bool swizzled,
+                      TOut* __restrict__ y, RowMap ym, BlockIndex bi, EncodeScale sc) {
   const float s_enc = resolve_scale(sc);
   const float s_dec = div_rn(1.0f, s_enc);
+  const int64_t col_tiles = (bi.blocks_per_row + 3) / 4;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t col_tiles = (scale_cols + 3) / 4;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; t < total;
-       t += step) {
-    int64_t row, col;
-    split_chunk(ci, t, row, col);
-    const uint32_t word = __ldg(reinterpret_cast<const uint32_t*>(packed) + t);
-    const int64_t k = col / 16;
-    const int64_t soff = swizzled ? ((row / 128) * col_tiles + k / 4) * 512 + (row % 32) * 16 +
-                                        ((row % 128) / 32) * 4 + k % 4
-                                  : (t >> 1);
+  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; blk < bi.total; blk += step) {
+    int64_t row, k;
+    split_block(bi, blk, row, k);
+    const uint32_t lo = __ldg(reinterpret_cast<const uint32_t*>(packed) + 2 * blk);
+    const uint32_t hi = __ldg(reinterpret_cast<const uint32_t*>(packed) + 2 * blk + 1);
     BlockScale b;
-    b.bits = __ldg(scales + soff);
+    b.bits = __ldg(scales + (swizzled ? swizzled_offset(row, k, col_tiles) : blk));
     b.S = e4m3_decode(b.bits);
     b.s_dec = s_dec;
     b.nan = b.S != b.S;
     b.zero = b.S == 0.0f;
     b.inv = 0.0f;
-    float out[kChunk];
+    float out[kBlk];
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) out[i] = code_value((word >> (4 * i)) & 0xFu, b);
-    store8<TOut, kVec>(y + row_offset(ym, row) + col, out);
+    for (int i = 0; i < kBlk; ++i) out[i] = code_value(((i < 8 ? lo : hi) >> (4 * (i & 7))) & 0xFu, b);
+    store_block<kVec>(y + row_offset(ym, row) + k * kBlk, out);
   }
 }
 
-template <typename TIn, bool kVec>
+template <typename TIn, bool kVec, bool kDense>
 __global__ void __launch_bounds__(kThreads)
-    amax_kernel(const TIn* __restrict__ x, RowMap xm, ChunkIndex ci, int64_t total,
-                uint32_t* __restrict__ out) {
+    amax_kernel(const TIn* __restrict__ x, RowMap xm, BlockIndex bi, uint32_t* __restrict__ out) {
+  constexpr int kB = kAmaxBlocks;
   __shared__ uint32_t warp_max[kThreads / 32];
   uint32_t m = 0;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; t < total;
-       t += step) {
-    int64_t row, col;
-    split_chunk(ci, t, row, col);
-    float v[kChunk];
-    load8<TIn, kVec>(x + row_offset(xm, row) + col, v);
-    m = max(m, chunk_amax_bits(v));
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kB;
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kThreads * kB; tile < bi.total; tile += step) {
+    RawBlock<TIn> r[kB];
+#pragma unroll
+    for (int j = 0; j < kB; ++j) {
+      const int64_t blk = tile + j * kThreads + threadIdx.x;
+      if (blk < bi.total) load_block<kVec>(x + block_offset<kDense>(xm, bi, blk), r[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kB; ++j) {
+      if (tile + j * kThreads + threadIdx.x < bi.total) m = max(m, block_amax_bits(r[j]));
+    }
   }
   m = __reduce_max_sync(0xFFFFFFFFu, m);
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
@@ -317,21 +535,46 @@ bool aligned16(const TensorView& v) {
   return true;
 }
 
-ChunkIndex chunk_index(int64_t cols, int64_t total) {
-  ChunkIndex ci;
-  ci.chunks_per_row = cols / kChunk;
-  ci.use32 = total < (int64_t{1} << 32) && ci.chunks_per_row < (int64_t{1} << 31);
-  if (ci.use32) ci.div32 = FastDiv(static_cast<uint32_t>(ci.chunks_per_row));
-  return ci;
+BlockIndex block_index(int64_t rows, int64_t cols) {
+  BlockIndex bi;
+  bi.blocks_per_row = cols / kBlk;
+  bi.total = rows * bi.blocks_per_row;
+  bi.use32 = bi.total < (int64_t{1} << 32) && bi.blocks_per_row < (int64_t{1} << 31);
+  if (bi.use32 && bi.blocks_per_row > 0) bi.div32 = FastDiv(static_cast<uint32_t>(bi.blocks_per_row));
+  return bi;
 }
 
-int grid_for(int64_t total) {
-  int dev = 0, sms = 0;
+// Rows back to back in memory (one leading dim of stride cols, or none).
+bool dense_rows(const RowMap& m, int64_t cols) { return m.nlead == 0 || (m.nlead == 1 && m.strides[0] == cols); }
+
+// Grid for a grid-stride kernel: as many CTAs as fit on the device at once
+// (occupancy of this kernel times the SM count), fewer if there is less work.
+// The occupancy is looked up once per kernel and device.
+int resident_ctas(const void* kernel) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  int dev = 0;
   VQAD_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find({kernel, dev});
+  if (it != cache.end()) return it->second;
+  int sms = 0, per_sm = 0;
   VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int64_t want = (total + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(sms) * (2048 / kThreads);
-  return static_cast<int>(want < cap ? want : cap);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess) {
+    // No kernel image for this device: let the launch fail and check_launch say why.
+    (void)cudaGetLastError();
+    return sms > 0 ? sms : 1;
+  }
+  const int ctas = sms * (per_sm > 0 ? per_sm : 1);
+  cache.emplace(std::make_pair(kernel, dev), ctas);
+  return ctas;
+}
+
+template <typename Kernel>
+int grid_for(Kernel kernel, int64_t threads_wanted) {
+  const int64_t want = (threads_wanted + kThreads - 1) / kThreads;
+  const int64_t cap = resident_ctas(reinterpret_cast<const void*>(kernel));
+  return static_cast<int>(want < cap ? (want > 0 ? want : 1) : cap);
 }
 
 void check_launch(const char* op, const TensorView& v) {
@@ -380,44 +623,55 @@ int64_t swizzled_size(int64_t rows, int64_t scale_cols) {
   return (rows + 127) / 128 * 128 * ((scale_cols + 3) / 4 * 4);
 }
 
+namespace {
+template <typename T, bool kVec, bool kDense>
+void amax_typed(const TensorView& x, const RowMap& xm, const BlockIndex& bi, uint32_t* out, cudaStream_t stream) {
+  auto kernel = amax_kernel<T, kVec, kDense>;
+  const int grid = grid_for(kernel, (bi.total + kAmaxBlocks - 1) / kAmaxBlocks);
+  kernel<<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x.data), xm, bi, out);
+}
+
+template <typename T>
+void amax_dispatch(const TensorView& x, const RowMap& xm, const BlockIndex& bi, bool vec, bool dense,
+                   uint32_t* out, cudaStream_t stream) {
+  if (!vec) amax_typed<T, false, false>(x, xm, bi, out, stream);
+  else if (dense) amax_typed<T, true, true>(x, xm, bi, out, stream);
+  else amax_typed<T, true, false>(x, xm, bi, out, stream);
+}
+}  // namespace
+
 void launch_amax(const TensorView& x, float* amax_out, cudaStream_t stream) {
   check_view(x, "amax", "input");
   VQAD_CHECK(amax_out != nullptr, "nvfp4 amax: output is a null pointer");
   VQAD_CUDA_CHECK(cudaMemsetAsync(amax_out, 0, sizeof(float), stream));
-  const int64_t total = x.rows() * x.cols() / kChunk;
-  if (total == 0) return;
+  const BlockIndex bi = block_index(x.rows(), x.cols());
+  if (bi.total == 0) return;
   const TensorView* views[1] = {&x};
   RowMap xm;
   row_maps(views, 1, &xm);
-  const ChunkIndex ci = chunk_index(x.cols(), total);
-  const int grid = grid_for(total);
+  const bool vec = aligned16(x), dense = dense_rows(xm, x.cols());
   uint32_t* out = reinterpret_cast<uint32_t*>(amax_out);
-  const bool vec = aligned16(x);
-  if (x.dtype == DType::kBF16) {
-    const auto* p = static_cast<const uint16_t*>(x.data);
-    if (vec) amax_kernel<uint16_t, true><<<grid, kThreads, 0, stream>>>(p, xm, ci, total, out);
-    else amax_kernel<uint16_t, false><<<grid, kThreads, 0, stream>>>(p, xm, ci, total, out);
-  } else {
-    const auto* p = static_cast<const float*>(x.data);
-    if (vec) amax_kernel<float, true><<<grid, kThreads, 0, stream>>>(p, xm, ci, total, out);
-    else amax_kernel<float, false><<<grid, kThreads, 0, stream>>>(p, xm, ci, total, out);
-  }
+  if (x.dtype == DType::kBF16) amax_dispatch<uint16_t>(x, xm, bi, vec, dense, out, stream);
+  else amax_dispatch<float>(x, xm, bi, vec, dense, out, stream);
   check_launch("amax", x);
 }
 
 namespace {
+template <typename TIn, typename TOut, bool kVec, bool kDense>
+void fake_quantize_launch(const TensorView& x, const TensorView& y, const RowMap& xm, const RowMap& ym,
+                          const BlockIndex& bi, EncodeScale sc, cudaStream_t stream) {
+  auto kernel = fake_quantize_kernel<TIn, TOut, kVec, kDense>;
+  const int grid = grid_for(kernel, (bi.total + fq_blocks<TIn>() - 1) / fq_blocks<TIn>());
+  kernel<<<grid, kThreads, 0, stream>>>(static_cast<const TIn*>(x.data), static_cast<TOut*>(y.data), xm, ym, bi,
+                                        sc);
+}
+
 template <typename TIn, typename TOut>
-void fake_quantize_typed(const TensorView& x, const TensorView& y, const RowMap& xm,
-                         const RowMap& ym, const ChunkIndex& ci, int64_t total, EncodeScale sc,
-                         bool vec, cudaStream_t stream) {
-  const int grid = grid_for(total);
-  const auto* px = static_cast<const TIn*>(x.data);
-  auto* py = static_cast<TOut*>(y.data);
-  if (vec) {
-    fake_quantize_kernel<TIn, TOut, true><<<grid, kThreads, 0, stream>>>(px, py, xm, ym, ci, total, sc);
-  } else {
-    fake_quantize_kernel<TIn, TOut, false><<<grid, kThreads, 0, stream>>>(px, py, xm, ym, ci, total, sc);
-  }
+void fake_quantize_typed(const TensorView& x, const TensorView& y, const RowMap& xm, const RowMap& ym,
+                         const BlockIndex& bi, EncodeScale sc, bool vec, bool dense, cudaStream_t stream) {
+  if (!vec) fake_quantize_launch<TIn, TOut, false, false>(x, y, xm, ym, bi, sc, stream);
+  else if (dense) fake_quantize_launch<TIn, TOut, true, true>(x, y, xm, ym, bi, sc, stream);
+  else fake_quantize_launch<TIn, TOut, true, false>(x, y, xm, ym, bi, sc, stream);
 }
 }  // namespace
 
@@ -431,25 +685,54 @@ void launch_fake_quantize(const TensorView& x, const TensorView& y, EncodeScale 
     VQAD_CHECK(x.sizes[d] == y.sizes[d], "nvfp4 fake_quantize: input ", x.shape_str(),
                " and output ", y.shape_str(), " differ in shape");
   }
-  const int64_t total = x.rows() * x.cols() / kChunk;
-  if (total == 0) return;
+  const BlockIndex bi = block_index(x.rows(), x.cols());
+  if (bi.total == 0) return;
   const TensorView* views[2] = {&x, &y};
   RowMap maps[2];
   row_maps(views, 2, maps);
-  const ChunkIndex ci = chunk_index(x.cols(), total);
   const bool vec = aligned16(x) && aligned16(y);
+  const bool dense = dense_rows(maps[0], x.cols()) && dense_rows(maps[1], y.cols());
   const bool in_bf16 = x.dtype == DType::kBF16, out_bf16 = y.dtype == DType::kBF16;
   if (in_bf16 && out_bf16) {
-    fake_quantize_typed<uint16_t, uint16_t>(x, y, maps[0], maps[1], ci, total, scale, vec, stream);
+    fake_quantize_typed<uint16_t, uint16_t>(x, y, maps[0], maps[1], bi, scale, vec, dense, stream);
   } else if (in_bf16) {
-    fake_quantize_typed<uint16_t, float>(x, y, maps[0], maps[1], ci, total, scale, vec, stream);
+    fake_quantize_typed<uint16_t, float>(x, y, maps[0], maps[1], bi, scale, vec, dense, stream);
   } else if (out_bf16) {
-    fake_quantize_typed<float, uint16_t>(x, y, maps[0], maps[1], ci, total, scale, vec, stream);
+    fake_quantize_typed<float, uint16_t>(x, y, maps[0], maps[1], bi, scale, vec, dense, stream);
   } else {
-    fake_quantize_typed<float, float>(x, y, maps[0], maps[1], ci, total, scale, vec, stream);
+    fake_quantize_typed<float, float>(x, y, maps[0], maps[1], bi, scale, vec, dense, stream);
   }
   check_launch("fake_quantize", x);
 }
+
+namespace {
+template <typename TIn, bool kVec, bool kDense, bool kGroup4>
+void quantize_launch(const TensorView& x, const RowMap& xm, const BlockIndex& bi, EncodeScale sc,
+                     const QuantizeOutputs& out, cudaStream_t stream) {
+  auto kernel = quantize_kernel<TIn, kVec, kDense, kGroup4>;
+  const int grid = grid_for(kernel, (bi.total + kQBlocks - 1) / kQBlocks);
+  const bool packed8 = reinterpret_cast<uintptr_t>(out.packed_codes) % 8 == 0;
+  kernel<<<grid, kThreads, 0, stream>>>(static_cast<const TIn*>(x.data), xm, bi, sc, out.packed_codes, packed8,
+                                        out.scales_linear, out.scales_swizzled);
+}
+
+template <typename TIn, bool kGroup4>
+void quantize_group(const TensorView& x, const RowMap& xm, const BlockIndex& bi, EncodeScale sc,
+                    const QuantizeOutputs& out, bool vec, bool dense, cudaStream_t stream) {
+  if (!vec) quantize_launch<TIn, false, false, kGroup4>(x, xm, bi, sc, out, stream);
+  else if (dense) quantize_launch<TIn, true, true, kGroup4>(x, xm, bi, sc, out, stream);
+  else quantize_launch<TIn, true, false, kGroup4>(x, xm, bi, sc, out, stream);
+}
+
+template <typename TIn>
+void quantize_typed(const TensorView& x, const RowMap& xm, const BlockIndex& bi, EncodeScale sc,
+                    const QuantizeOutputs& out, bool vec, bool dense, cudaStream_t stream) {
+  const bool group4 = bi.blocks_per_row % 4 == 0 && reinterpret_cast<uintptr_t>(out.scales_linear) % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(out.scales_swizzled) % 4 == 0;
+  if (group4) quantize_group<TIn, true>(x, xm, bi, sc, out, vec, dense, stream);
+  else quantize_group<TIn, false>(x, xm, bi, sc, out, vec, dense, stream);
+}
+}  // namespace
 
 void launch_quantize(const TensorView& x, EncodeScale scale, const QuantizeOutputs& out,
                      cudaStream_t stream) {
@@ -457,47 +740,33 @@ void launch_quantize(const TensorView& x, EncodeScale scale, const QuantizeOutpu
   VQAD_CHECK(reinterpret_cast<uintptr_t>(out.packed_codes) % 4 == 0,
              "nvfp4 quantize: packed codes output must be 4-byte aligned");
   const int64_t rows = x.rows(), cols = x.cols(), scale_cols = cols / 16;
-  const int64_t total = rows * cols / kChunk;
   if (out.scales_swizzled) {
+    // Pad bytes must read as zero scales; the kernel writes only real entries. With
+    // scale_cols % 4 == 0 the only pad is in the last 128-row band of tiles, which
+    // is the tail of the buffer; otherwise every tile has pad columns.
     const int64_t sz = swizzled_size(rows, scale_cols);
-    // Pad bytes must read as zero scales; the kernel writes only real entries.
-    if (sz != rows * scale_cols) VQAD_CUDA_CHECK(cudaMemsetAsync(out.scales_swizzled, 0, sz, stream));
+    if (sz != rows * scale_cols) {
+      const int64_t band = ((scale_cols + 3) / 4) * 512;
+      const int64_t from = (scale_cols % 4 == 0) ? sz - band : 0;
+      VQAD_CUDA_CHECK(cudaMemsetAsync(out.scales_swizzled + from, 0, sz - from, stream));
+    }
   }
-  if (total == 0) return;
+  const BlockIndex bi = block_index(rows, cols);
+  if (bi.total == 0) return;
   const TensorView* views[1] = {&x};
   RowMap xm;
   row_maps(views, 1, &xm);
-  const ChunkIndex ci = chunk_index(cols, total);
-  const int grid = grid_for(total);
-  const bool vec = aligned16(x);
-  if (x.dtype == DType::kBF16) {
-    const auto* p = static_cast<const uint16_t*>(x.data);
-    if (vec) {
-      quantize_kernel<uint16_t, true><<<grid, kThreads, 0, stream>>>(
-          p, xm, ci, total, scale, out.packed_codes, out.scales_linear, out.scales_swizzled, scale_cols);
-    } else {
-      quantize_kernel<uint16_t, false><<<grid, kThreads, 0, stream>>>(
-          p, xm, ci, total, scale, out.packed_codes, out.scales_linear, out.scales_swizzled, scale_cols);
-    }
-  } else {
-    const auto* p = static_cast<const float*>(x.data);
-    if (vec) {
-      quantize_kernel<float, true><<<grid, kThreads, 0, stream>>>(
-          p, xm, ci, total, scale, out.packed_codes, out.scales_linear, out.scales_swizzled, scale_cols);
-    } else {
-      quantize_kernel<float, false><<<grid, kThreads, 0, stream>>>(
-          p, xm, ci, total, scale, out.packed_codes, out.scales_linear, out.scales_swizzled, scale_cols);
-    }
-  }
+  const bool vec = aligned16(x), dense = dense_rows(xm, cols);
+  if (x.dtype == DType::kBF16) quantize_typed<uint16_t>(x, xm, bi, scale, out, vec, dense, stream);
+  else quantize_typed<float>(x, xm, bi, scale, out, vec, dense, stream);
   check_launch("quantize", x);
 }
 
 void launch_dequantize(const uint8_t* packed_codes, const uint8_t* scales, bool scales_swizzled,
                        EncodeScale scale, const TensorView& y, cudaStream_t stream) {
   check_view(y, "dequantize", "output");
-  const int64_t rows = y.rows(), cols = y.cols(), scale_cols = cols / 16;
-  const int64_t total = rows * cols / kChunk;
-  if (total == 0) return;
+  const BlockIndex bi = block_index(y.rows(), y.cols());
+  if (bi.total == 0) return;
   VQAD_CHECK(packed_codes && scales, "nvfp4 dequantize: null codes or scales for output ",
              y.shape_str());
   VQAD_CHECK(reinterpret_cast<uintptr_t>(packed_codes) % 4 == 0,
@@ -505,26 +774,28 @@ void launch_dequantize(const uint8_t* packed_codes, const uint8_t* scales, bool 
   const TensorView* views[1] = {&y};
   RowMap ym;
   row_maps(views, 1, &ym);
-  const ChunkIndex ci = chunk_index(cols, total);
-  const int grid = grid_for(total);
   const bool vec = aligned16(y);
   if (y.dtype == DType::kBF16) {
     auto* p = static_cast<uint16_t*>(y.data);
     if (vec) {
-      dequantize_kernel<uint16_t, true><<<grid, kThreads, 0, stream>>>(
-          packed_codes, scales, scales_swizzled, scale_cols, p, ym, ci, total, scale);
+      auto kernel = dequantize_kernel<uint16_t, true>;
+      kernel<<<grid_for(kernel, bi.total), kThreads, 0, stream>>>(packed_codes, scales, scales_swizzled, p, ym, bi,
+                                                                  scale);
     } else {
-      dequantize_kernel<uint16_t, false><<<grid, kThreads, 0, stream>>>(
-          packed_codes, scales, scales_swizzled, scale_cols, p, ym, ci, total, scale);
+      auto kernel = dequantize_kernel<uint16_t, false>;
+      kernel<<<grid_for(kernel, bi.total), kThreads, 0, stream>>>(packed_codes, scales, scales_swizzled, p, ym, bi,
+                                                                  scale);
     }
   } else {
     auto* p = static_cast<float*>(y.data);
     if (vec) {
-      dequantize_kernel<float, true><<<grid, kThreads, 0, stream>>>(
-          packed_codes, scales, scales_swizzled, scale_cols, p, ym, ci, total, scale);
+      auto kernel = dequantize_kernel<float, true>;
+      kernel<<<grid_for(kernel, bi.total), kThreads, 0, stream>>>(packed_codes, scales, scales_swizzled, p, ym, bi,
+                                                                  scale);
     } else {
-      dequantize_kernel<float, false><<<grid, kThreads, 0, stream>>>(
-          packed_codes, scales, scales_swizzled, scale_cols, p, ym, ci, total, scale);
+      auto kernel = dequantize_kernel<float, false>;
+      kernel<<<grid_for(kernel, bi.total), kThreads, 0, stream>>>(packed_codes, scales, scales_swizzled, p, ym, bi,
+                                                                  scale);
     }
   }
   check_launch("dequantize", y);

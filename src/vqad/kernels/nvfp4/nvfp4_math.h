@@ -52,6 +52,22 @@ VQAD_HD float mul_rn(float a, float b) {
 #endif
 }
 
+VQAD_HD float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+VQAD_HD float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
 constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 constexpr uint32_t kInfBits = 0x7F800000u;
 
@@ -98,21 +114,40 @@ VQAD_HD uint32_t e4m3_encode_nonneg(float v) {
   return (exp << 3) | ((r >> 20) & 7u);
 }
 
-// E2M1 magnitude code of a >= 0 (finite or +inf): RNE onto {0,.5,1,1.5,2,3,4,6},
-// saturating at 6. Below 1 the grid is fixed (step 0.5): a*2 + 2^23 rounds a*2
-// to an integer once. From 1 up it keeps one mantissa bit of the fp32 pattern.
-VQAD_HD uint32_t e2m1_code_magnitude(float a) {
+// E2M1 rounding by one float add: for c = min(a, 6) the constant C = 2^22 *
+// max(2^floor(log2 c), 1) has an ulp equal to the E2M1 grid step at c (0.5 below
+// 2, 1 in [2, 4), 2 in [4, 6]), so c + C rounds c onto the grid with IEEE
+// round-to-nearest-even in one step and (c + C) - C is exact. min(a, 6) is the
+// saturation (and maps NaN to 6: NaN blocks are handled by their callers).
+VQAD_HD float min6(float a) {
 #ifdef __CUDA_ARCH__
-  const float small = __fmaf_rn(a, 2.0f, 8388608.0f);
+  return fminf(a, 6.0f);
 #else
-  const float small = a * 2.0f + 8388608.0f;  // a * 2 is exact
+  return a < 6.0f ? a : 6.0f;  // any NaN, signalling included, -> 6 like fminf on the device
 #endif
-  const uint32_t code_small = f2u(small) - 0x4B000000u;  // 0, 1, 2
-  const uint32_t u = f2u(a);
-  const uint32_t r = u + 0x1FFFFFu + ((u >> 22) & 1u);
-  uint32_t code_big = (r >> 22) - 252u;  // 1.0 -> 2, 1.5 -> 3, ..., 6 -> 7, 8 -> 8
-  code_big = code_big < 7u ? code_big : 7u;
-  return a < 1.0f ? code_small : code_big;
+}
+
+// Bits of C for c in [0, 6].
+VQAD_HD uint32_t e2m1_magic_bits(float c) {
+  const uint32_t e = f2u(c) & kInfBits;
+  return (e > 0x3F800000u ? e : 0x3F800000u) + 0x0B000000u;
+}
+
+// E2M1 magnitude code of a >= 0 (finite or +inf): RNE onto {0,.5,1,1.5,2,3,4,6},
+// saturating at 6. The grid steps counted from C (ulps) plus the codes below C's
+// binade: 0 for C = 2^22, 2 for 2^23, 4 for 2^24.
+VQAD_HD uint32_t e2m1_code_magnitude(float a) {
+  const float c = min6(a);
+  const uint32_t cb = e2m1_magic_bits(c);
+  const uint32_t t = f2u(add_rn(c, u2f(cb)));
+  return t - cb + ((cb - 0x4A800000u) >> 22);
+}
+
+// The value e2m1_magnitude(e2m1_code_magnitude(a)), computed directly.
+VQAD_HD float e2m1_round_magnitude(float a) {
+  const float c = min6(a);
+  const float C = u2f(e2m1_magic_bits(c));
+  return sub_rn(add_rn(c, C), C);
 }
 
 // Magnitude of an E2M1 code (bit 3 ignored) as fp32, exact.
@@ -132,9 +167,10 @@ struct BlockScale {
   bool zero;      // S == 0: codes 0, values +0
 };
 
-VQAD_HD BlockScale block_scale(uint32_t amax_abs_bits, float s_enc) {
+// s_dec = 1 / s_enc is passed in so that kernels compute it once, not per block.
+VQAD_HD BlockScale block_scale(uint32_t amax_abs_bits, float s_enc, float s_dec) {
   BlockScale b;
-  b.s_dec = div_rn(1.0f, s_enc);
+  b.s_dec = s_dec;
   const float amax_b = u2f(amax_abs_bits);
   const float scaled = mul_rn(div_rn(amax_b, 6.0f), s_enc);
   b.nan = bits_are_nan(amax_abs_bits) || scaled != scaled;
@@ -143,6 +179,10 @@ VQAD_HD BlockScale block_scale(uint32_t amax_abs_bits, float s_enc) {
   b.zero = !b.nan && b.S == 0.0f;
   b.inv = div_rn(1.0f, mul_rn(b.S, b.s_dec));
   return b;
+}
+
+VQAD_HD BlockScale block_scale(uint32_t amax_abs_bits, float s_enc) {
+  return block_scale(amax_abs_bits, s_enc, div_rn(1.0f, s_enc));
 }
 
 // Code (with sign) of element x in a block with scale b.
