@@ -3,10 +3,12 @@
 // at the benchmark shapes. Built with one nvcc command on a GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc \
 //     bench/playground/attn_bwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_bwd.cu \
+//     src/vqad/kernels/attention/sm90/attn_qat_bwd_wgmma.cu \
 //     src/vqad/kernels/common/device.cu src/vqad/numerics/attention_qat_ref.cpp \
 //     src/vqad/numerics/nvfp4.cpp -o /tmp/attn_bwd_pg
 //   /tmp/attn_bwd_pg [check] [time] [quick] [impl=mma|wgmma] [dqtile=64|128]
 //                    [launch=single|split] [json=<path>]
+// bench/playground/attn_pg_run.sh builds and compares several kernel variants at once.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -95,6 +95,16 @@ __device__ __forceinline__ float e2m1_round_nonneg(float a) {
   return fminf((a + magic) - magic, 6.0f);
 }
 
+// amax / 6 correctly rounded without the IEEE division routine: RN(x * RN(1/6)) is
+// within an ulp, and one FMA residual correction gives the correctly rounded quotient
+// for every normal result (subnormal quotients round to the E4M3 zero either way).
+__device__ __forceinline__ float div6(float x) {
+  const float c = 1.0f / 6.0f;
+  const float q0 = x * c;
+  const float r = fmaf(-q0, 6.0f, x);
+  return fmaf(r, c, q0);
+}
+
 // ---------------------------------------------------------------------------
 // P fake quantization on the transposed score tile of one warp.
 //
@@ -112,9 +122,12 @@ __device__ __forceinline__ float e2m1_round_nonneg(float a) {
 // mode, 1 in fastvideo mode) and written as the BF16 A fragments of the
 // following Pb^T . dO product: a[kq] covers queries 16kq .. 16kq + 15.
 // ---------------------------------------------------------------------------
-template <bool kPostMul>
+// With a table (kTable): table[b] = (S, 1/S) of the E4M3 byte b (b = 0: (0, 0)) in
+// shared memory replaces the per-column E4M3 decode and reciprocal.
+template <bool kPostMul, bool kTable = false>
 __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const float (&post)[16],
-                                                int lane, uint32_t (&a)[4][4]) {
+                                                int lane, uint32_t (&a)[4][4],
+                                                const float2* table = nullptr) {
   float v[16];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -146,9 +159,13 @@ __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const fl
   // Scales of this lane's two finished columns, as an E4M3 byte pair
   // (amax / 6 in IEEE fp32, then round-to-nearest-even with saturation).
   uint16_t pk;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
-      : "=h"(pk)
-      : "f"(__fdiv_rn(z[1], 6.0f)), "f"(__fdiv_rn(z[0], 6.0f)));
+  if constexpr (kTable) {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pk) : "f"(div6(z[1])), "f"(div6(z[0])));
+  } else {
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
+        : "=h"(pk)
+        : "f"(__fdiv_rn(z[1], 6.0f)), "f"(__fdiv_rn(z[0], 6.0f)));
+  }
   // All-gather the bytes: word k of `words` holds the scales of columns 4k..4k+3.
   const uint32_t mine = pk;
   uint32_t other = __shfl_xor_sync(0xffffffffu, mine, 4);
@@ -162,17 +179,25 @@ __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const fl
   for (int k = 0; k < 4; ++k) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      uint32_t h2;
-      const uint16_t pair = static_cast<uint16_t>(words[k] >> (16 * half));
-      asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(pair));
-      const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(&h2));
       // Columns 4k + 2*half (+1) = n-tile j = 2k + half, e = 0 / 1.
       const int j = 2 * k + half;
-      const float s_e[2] = {s2.x, s2.y};
+      float s_e[2], inv_e[2];
+      if constexpr (kTable) {
+        const float2 t0 = table[(words[k] >> (16 * half)) & 0x7F];
+        const float2 t1 = table[(words[k] >> (16 * half + 8)) & 0x7F];
+        s_e[0] = t0.x, s_e[1] = t1.x, inv_e[0] = t0.y, inv_e[1] = t1.y;
+      } else {
+        uint32_t h2;
+        const uint16_t pair = static_cast<uint16_t>(words[k] >> (16 * half));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(pair));
+        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+        s_e[0] = s2.x, s_e[1] = s2.y;
+        inv_e[0] = scale_reciprocal(s2.x), inv_e[1] = scale_reciprocal(s2.y);
+      }
       float y[4];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float inv = scale_reciprocal(s_e[e]);
+        const float inv = inv_e[e];
         const float out = kPostMul ? s_e[e] * post[2 * j + e] : s_e[e];
         y[e] = e2m1_round_nonneg(x[j][e] * inv) * out;
         y[2 + e] = e2m1_round_nonneg(x[j][2 + e] * inv) * out;
@@ -189,10 +214,10 @@ __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const fl
 //
 // Phase 1: s (raw scores) -> e = exp2(s*c - m) (consistent) or P = e/l (other
 // modes), kept for phase 2; a <- BF16 A fragments of Pb^T.
-template <AttnQatBwdPMode MODE>
+template <AttnQatBwdPMode MODE, bool kTable = false>
 __device__ __forceinline__ void dkdv_phase1(float (&s)[8][4], const float4* st, float c,
                                             bool key_tail, bool key_ok0, bool key_ok1, int lane,
-                                            uint32_t (&a)[4][4]) {
+                                            uint32_t (&a)[4][4], const float2* table = nullptr) {
   const int t4 = lane & 3;
   float inv_l[16];
 #pragma unroll
@@ -217,9 +242,9 @@ __device__ __forceinline__ void dkdv_phase1(float (&s)[8][4], const float4* st, 
     }
   }
   if constexpr (MODE == AttnQatBwdPMode::kConsistent) {
-    fq_columns16x64<true>(s, inv_l, lane, a);
+    fq_columns16x64<true, kTable>(s, inv_l, lane, a, table);
   } else if constexpr (MODE == AttnQatBwdPMode::kFastVideo) {
-    fq_columns16x64<false>(s, inv_l, lane, a);
+    fq_columns16x64<false, kTable>(s, inv_l, lane, a, table);
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {

@@ -17,6 +17,7 @@
 // canonical 128B-swizzle layout of wgmma, both as a K-major operand (k = head
 // dim) and as an N-major one (n = head dim, k = rows).
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -139,9 +140,17 @@ constexpr int kQueriesPerCta = 128;
 // Stages of the streamed tiles: block i+1 is loaded while block i is computed.
 constexpr int kStages = 2;
 
+// (S, 1/S) per E4M3 scale byte (dK/dV kernel, P quantization).
+#ifndef VQAD_ATTN_BWD_SCALE_TABLE
+#define VQAD_ATTN_BWD_SCALE_TABLE 1
+#endif
+#ifdef VQAD_ATTN_BWD_WGMMA
+constexpr bool kScaleTable = VQAD_ATTN_BWD_SCALE_TABLE != 0;
+#endif
+constexpr size_t kScaleTableBytes = 128 * sizeof(float2);
 constexpr size_t kDkdvSmem = 1024 /*alignment slack*/ + 2 * kKeysPerCta * kD * 2 +
                              kStages * 2 * kQueryTile * kD * 2 +
-                             kStages * kQueryTile * sizeof(float4);
+                             kStages * kQueryTile * sizeof(float4) + kScaleTableBytes;
 constexpr size_t dq_smem(int key_tile) {
   return 1024 + 2 * kQueriesPerCta * kD * 2 + kStages * 2 * key_tile * kD * 2;
 }
@@ -159,6 +168,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   uint8_t* sQ = sV + kTileK;             // [kStages][kTileQ]
   uint8_t* sdO = sQ + kStages * kTileQ;  // [kStages][kTileQ]
   float4* sSt = reinterpret_cast<float4*>(sdO + kStages * kTileQ);  // [kStages][kQueryTile]
+  float2* sScale = reinterpret_cast<float2*>(sSt + kStages * kQueryTile);  // [128]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in warpgroup
@@ -179,6 +189,10 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   };
   load_q_block(0, 0);
   cp_async_commit();
+  if (kScaleTable && tid < 128) {  // visible after the first barrier of the loop
+    const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
+    sScale[tid] = make_float2(S, tid == 0 ? 0.0f : __frcp_rn(S));
+  }
 
   float dk[16][4], dv[16][4];
 #pragma unroll
@@ -221,7 +235,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     wgmma_wait<1>();  // S^T done; dP^T may still run
     fence_regs(flat(s));
 
-    dkdv_phase1<MODE>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap);
+    dkdv_phase1<MODE, kScaleTable>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < 4; ++kq)

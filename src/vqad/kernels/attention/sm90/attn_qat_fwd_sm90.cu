@@ -3,14 +3,19 @@
 //
 // Tiling: a CTA owns 128 query rows of one (batch, head): two warpgroups of 64 rows,
 // 16 rows per warp. K and V tiles of BLOCK_N = 128 keys stream through shared memory
-// with cp.async double buffering, in the 128-byte-swizzled layout that both wgmma
-// descriptors and conflict-free ldmatrix accept. On sm_90a, S = Q^ K^T is a chain of
-// wgmma m64n128k16 per warpgroup with both operands in shared memory, and both P.V
-// products are wgmmas with P^ / bf16(P) as the register A operand and V read
-// MN-major from shared memory; they run asynchronously while the next 16-key group's
-// exp2 and quantization execute. Other targets compile the same kernel on mma.sync
-// m16n8k16 + ldmatrix (bf16 in, fp32 accumulate either way) but the launcher
-// accepts only sm_90 devices until that build is validated on its hardware.
+// with cp.async (three stages on sm_90a, two otherwise), in the 128-byte-swizzled
+// layout that both wgmma descriptors and conflict-free ldmatrix accept. On sm_90a,
+// S = Q^ K^T is a chain of wgmma m64n128k16 per warpgroup with both operands in shared
+// memory, and both P.V products are wgmmas with P^ / bf16(P) as the register A operand
+// and V read MN-major from shared memory; they run asynchronously while the next
+// 16-key groups' exp2 and quantization execute, and the bf16(P) row sums are a third
+// asynchronous wgmma (m64n8k16 against a block of ones). The two warpgroups are
+// skewed by half a KV tile (see kSkew): the second one finishes the previous tile's
+// keys 64-127 after each barrier, so one warpgroup's softmax and quantization run
+// while the other's Q^ K^T occupies the tensor cores. Other targets compile the same
+// kernel on mma.sync m16n8k16 + ldmatrix (bf16 in, fp32 accumulate either way) but
+// the launcher accepts only sm_90 devices until that build is validated on its
+// hardware.
 //
 // Register layout that makes P quantization cheap: in the m16n8 (and wgmma) S
 // accumulator a quad of 4 lanes holds one row's 8 keys of an n8 slice (2 each), so two
@@ -43,6 +48,44 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kCtasPerSm = 128 / kBM;
 static_assert(kBM == 64 || kBM == 128, "BLOCK_M must be 64 or 128");
 constexpr int kChunksPerRow = kD * 2 / 16;  // 16-byte chunks of one 128-channel bf16 row
+
+// Schedule of the wgmma path. Skewed (default): the second warpgroup runs half a KV
+// tile behind the first: after each barrier it finishes the P.V products of keys
+// 64-127 of the previous tile before its own Q^ K^T, so one warpgroup's softmax and
+// P quantization overlap the other's tensor-core work instead of both waiting for
+// Q^ K^T at the same time (K/V triple buffered: V of the previous tile stays
+// resident). 0: both warpgroups in step (K/V double buffered).
+#ifndef VQAD_ATTN_FWD_SKEW
+#define VQAD_ATTN_FWD_SKEW 1
+#endif
+constexpr bool kSkew = VQAD_ATTN_FWD_SKEW != 0;
+// 16-key groups the second warpgroup computes before the barrier (the rest after it).
+#ifndef VQAD_ATTN_FWD_SKEW_GROUPS
+#define VQAD_ATTN_FWD_SKEW_GROUPS 4
+#endif
+constexpr int kSkewGroups = VQAD_ATTN_FWD_SKEW_GROUPS;
+// 16-key groups quantized together before their P.V wgmmas are issued (1, 2 or 4).
+#ifndef VQAD_ATTN_FWD_GROUP_STEP
+#define VQAD_ATTN_FWD_GROUP_STEP 1
+#endif
+constexpr int kGroupStep = VQAD_ATTN_FWD_GROUP_STEP;
+// Row sums of bf16(P) on the skewed path: 1 = an asynchronous wgmma m64n8k16 of the P
+// fragments against a tile of ones (queued with the P.V products); 0 = mma.sync
+// against ones (a dependent chain of synchronous tensor-core instructions).
+#ifndef VQAD_ATTN_FWD_ROWSUM_WGMMA
+#define VQAD_ATTN_FWD_ROWSUM_WGMMA 1
+#endif
+constexpr bool kRowsumWgmma = VQAD_ATTN_FWD_ROWSUM_WGMMA != 0 && kSkew;
+constexpr int kStages = kSkew ? 3 : 2;
+static_assert(kSkewGroups > 0 && kSkewGroups < kAttnQatBlockN / 16 &&
+                  (kGroupStep == 1 || kGroupStep == 2 || kGroupStep == 4),
+              "forward schedule knobs out of range");
+// P^ = e2m1(P / S) * S with the final product in bf16x2 (exact: at most 6 significant
+// bits) instead of two fp32 products and a conversion.
+#ifndef VQAD_ATTN_FWD_BF16_SCALE
+#define VQAD_ATTN_FWD_BF16_SCALE 1
+#endif
+constexpr bool kBf16Scale = VQAD_ATTN_FWD_BF16_SCALE != 0;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -175,6 +218,57 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+// D[64 x 128] (+)= A[64 x 16] . B[16 x 128] into the n8 slices [OFF, OFF + 16) of d, both
+// operands from shared memory; scale_d = 0 overwrites D (the first k-step).
+template <int OFF>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  static_assert(OFF >= 0 && OFF + 16 <= 16, "slice out of range");
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[OFF + 0][0]), "+f"(d[OFF + 0][1]), "+f"(d[OFF + 0][2]), "+f"(d[OFF + 0][3]),
+          "+f"(d[OFF + 1][0]), "+f"(d[OFF + 1][1]), "+f"(d[OFF + 1][2]), "+f"(d[OFF + 1][3]),
+          "+f"(d[OFF + 2][0]), "+f"(d[OFF + 2][1]), "+f"(d[OFF + 2][2]), "+f"(d[OFF + 2][3]),
+          "+f"(d[OFF + 3][0]), "+f"(d[OFF + 3][1]), "+f"(d[OFF + 3][2]), "+f"(d[OFF + 3][3]),
+          "+f"(d[OFF + 4][0]), "+f"(d[OFF + 4][1]), "+f"(d[OFF + 4][2]), "+f"(d[OFF + 4][3]),
+          "+f"(d[OFF + 5][0]), "+f"(d[OFF + 5][1]), "+f"(d[OFF + 5][2]), "+f"(d[OFF + 5][3]),
+          "+f"(d[OFF + 6][0]), "+f"(d[OFF + 6][1]), "+f"(d[OFF + 6][2]), "+f"(d[OFF + 6][3]),
+          "+f"(d[OFF + 7][0]), "+f"(d[OFF + 7][1]), "+f"(d[OFF + 7][2]), "+f"(d[OFF + 7][3]),
+          "+f"(d[OFF + 8][0]), "+f"(d[OFF + 8][1]), "+f"(d[OFF + 8][2]), "+f"(d[OFF + 8][3]),
+          "+f"(d[OFF + 9][0]), "+f"(d[OFF + 9][1]), "+f"(d[OFF + 9][2]), "+f"(d[OFF + 9][3]),
+          "+f"(d[OFF + 10][0]), "+f"(d[OFF + 10][1]), "+f"(d[OFF + 10][2]), "+f"(d[OFF + 10][3]),
+          "+f"(d[OFF + 11][0]), "+f"(d[OFF + 11][1]), "+f"(d[OFF + 11][2]), "+f"(d[OFF + 11][3]),
+          "+f"(d[OFF + 12][0]), "+f"(d[OFF + 12][1]), "+f"(d[OFF + 12][2]), "+f"(d[OFF + 12][3]),
+          "+f"(d[OFF + 13][0]), "+f"(d[OFF + 13][1]), "+f"(d[OFF + 13][2]), "+f"(d[OFF + 13][3]),
+          "+f"(d[OFF + 14][0]), "+f"(d[OFF + 14][1]), "+f"(d[OFF + 14][2]), "+f"(d[OFF + 14][3]),
+          "+f"(d[OFF + 15][0]), "+f"(d[OFF + 15][1]), "+f"(d[OFF + 15][2]), "+f"(d[OFF + 15][3])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// D[64 x 8] += A[64 x 16] . B[16 x 8], A from registers, B K-major from shared memory
+// without swizzle (used with a block of bf16 ones: D accumulates the row sums of A).
+__device__ __forceinline__ void wgmma_m64n8k16_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+// Descriptor of a no-swizzle K-major block (core matrices 128 B apart along K, 256 B
+// along N): 256 bytes from addr.
+__device__ __forceinline__ uint64_t wgmma_desc_plain(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
+         (static_cast<uint64_t>(256 >> 4) << 32);
+}
+
 // Descriptor of a [2][ROWS][64] tile read MN-major (see wgmma_m64n128k16_rs).
 template <int ROWS>
 __device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t addr) {
@@ -240,6 +334,9 @@ __device__ __forceinline__ float div6(float x) {
 // (S, RN(1/S)) for every E4M3 byte: a shared-memory lookup replaces the IEEE
 // reciprocal routine per 16-key group. Byte 0 gives (0, inf), the zero block.
 constexpr int kScaleTableBytes = 128 * 8;
+// bf16 ones for the row-sum wgmma (kRowsumWgmma): the 16 x 8 B operand's two core
+// matrices.
+constexpr int kOnesBytes = 256;
 
 // E4M3 bytes (round-to-nearest-even, satfinite) of two non-negative values.
 __device__ __forceinline__ uint32_t e4m3_bytes2(float a, float b) {
@@ -261,6 +358,110 @@ __device__ __forceinline__ float e2m1_rne_magnitude(float a) {
 __device__ __forceinline__ float fq_p(float p, float S, float inv) {
   return e2m1_rne_magnitude(p * inv) * S;
 }
+
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// bf16 fragments of P (pa) and P^ (qa) of one 16-key group, from the S accumulator
+// slices sa (keys 0-7) and sb (keys 8-15), and the bf16(P) row sums added into lacc.
+// table[b] = (S, 1/S) of E4M3 byte b, or with kBf16Scale (bf16x2 bits of (S, S), 1/S).
+template <bool QUANT_P, bool ROWSUM_MMA = true>
+__device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&sb)[4], float c, float neg0,
+                                            float neg1, const float2* table, float (&lacc)[4], uint32_t (&pa)[4],
+                                            uint32_t (&qa)[4]) {
+  float pr[8];
+  pr[0] = fast_exp2(fmaf(sa[0], c, neg0));
+  pr[1] = fast_exp2(fmaf(sa[1], c, neg0));
+  pr[2] = fast_exp2(fmaf(sb[0], c, neg0));
+  pr[3] = fast_exp2(fmaf(sb[1], c, neg0));
+  pr[4] = fast_exp2(fmaf(sa[2], c, neg1));
+  pr[5] = fast_exp2(fmaf(sa[3], c, neg1));
+  pr[6] = fast_exp2(fmaf(sb[2], c, neg1));
+  pr[7] = fast_exp2(fmaf(sb[3], c, neg1));
+  pa[0] = pack_bf16(pr[0], pr[1]);
+  pa[1] = pack_bf16(pr[4], pr[5]);
+  pa[2] = pack_bf16(pr[2], pr[3]);
+  pa[3] = pack_bf16(pr[6], pr[7]);
+  if constexpr (ROWSUM_MMA) {
+    const uint32_t ones = 0x3F803F80u;  // two bf16 1.0
+    mma_bf16(lacc, pa, ones, ones);
+  }
+  if constexpr (QUANT_P) {
+    float am0 = fmaxf(fmaxf(pr[0], pr[1]), fmaxf(pr[2], pr[3]));
+    float am1 = fmaxf(fmaxf(pr[4], pr[5]), fmaxf(pr[6], pr[7]));
+    am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 1));
+    am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 1));
+    am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 2));
+    am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 2));
+    const uint32_t sbytes = e4m3_bytes2(div6(am0), div6(am1));
+    const float2 s0 = table[sbytes & 0x7F];
+    const float2 s1 = table[(sbytes >> 8) & 0x7F];
+    if constexpr (kBf16Scale) {
+      const uint32_t S0 = __float_as_uint(s0.x), S1 = __float_as_uint(s1.x);
+      qa[0] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[0] * s0.y), e2m1_rne_magnitude(pr[1] * s0.y)), S0);
+      qa[1] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[4] * s1.y), e2m1_rne_magnitude(pr[5] * s1.y)), S1);
+      qa[2] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[2] * s0.y), e2m1_rne_magnitude(pr[3] * s0.y)), S0);
+      qa[3] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[6] * s1.y), e2m1_rne_magnitude(pr[7] * s1.y)), S1);
+    } else {
+      qa[0] = pack_bf16(fq_p(pr[0], s0.x, s0.y), fq_p(pr[1], s0.x, s0.y));
+      qa[1] = pack_bf16(fq_p(pr[4], s1.x, s1.y), fq_p(pr[5], s1.x, s1.y));
+      qa[2] = pack_bf16(fq_p(pr[2], s0.x, s0.y), fq_p(pr[3], s0.x, s0.y));
+      qa[3] = pack_bf16(fq_p(pr[6], s1.x, s1.y), fq_p(pr[7], s1.x, s1.y));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) qa[e] = pa[e];
+  }
+}
+
+#if VQAD_ATTN_FWD_WGMMA
+// S = Q^ K^T of one warpgroup (64 rows) against a whole K tile: 8 k-steps over the
+// head dim, the first overwriting S; waited for before returning.
+template <int BN>
+__device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uint32_t sK) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint32_t koff = (kk & 3) * 32;
+    wgmma_ss_n128<0>(s, wgmma_desc(a_base + (kk >> 2) * kBM * 128 + koff),
+                     wgmma_desc(sK + (kk >> 2) * BN * 128 + koff), kk > 0 ? 1 : 0);
+  }
+  wgmma_commit();
+  wgmma_wait0();
+}
+
+// P, P^ of the 16-key groups [KS0, KS1) of S and their P.V wgmmas (asynchronous: the
+// tensor cores work on some groups while the next groups' exp2 and quantization run).
+// kGroupStep groups are computed together before their wgmmas: independent
+// dependency chains (shuffles, scale lookups) that the scheduler interleaves.
+template <int KS0, int KS1, bool QUANT_P, int BN>
+__device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[16][4], float (&acch)[16][4],
+                                          float (&lacc)[4], const float (&m_run)[2], float c, uint32_t sV,
+                                          const float2* table, uint64_t ones_desc) {
+  static_assert((KS1 - KS0) % kGroupStep == 0, "group range not a multiple of the step");
+  const float neg0 = -m_run[0], neg1 = -m_run[1];
+#pragma unroll
+  for (int ks = KS0; ks < KS1; ks += kGroupStep) {
+    uint32_t pa[kGroupStep][4], qa[kGroupStep][4];
+#pragma unroll
+    for (int u = 0; u < kGroupStep; ++u)
+      p_fragments<QUANT_P, !kRowsumWgmma>(s[2 * (ks + u)], s[2 * (ks + u) + 1], c, neg0, neg1, table, lacc, pa[u],
+                                          qa[u]);
+    wgmma_fence();
+#pragma unroll
+    for (int u = 0; u < kGroupStep; ++u) {
+      const uint64_t dv = wgmma_desc_mn<BN>(sV + (ks + u) * 16 * 128);
+      wgmma_m64n128k16_rs(acc, qa[u], dv);
+      if constexpr (QUANT_P) wgmma_m64n128k16_rs(acch, pa[u], dv);
+      if constexpr (kRowsumWgmma) wgmma_m64n8k16_rs(lacc, pa[u], ones_desc);
+    }
+  }
+  wgmma_commit();
+}
+#endif
 
 struct Tile {
   const __nv_bfloat16* base;  // element (b, 0, h, 0)
@@ -300,7 +501,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sKV0 = sQ + kBM * kD * 2;
   // (S, 1/S) table after the K/V stages
-  float2* scale_table = reinterpret_cast<float2*>(smem_raw + (sKV0 - smem_addr(smem_raw)) + 4 * BN * kD * 2);
+  float2* scale_table = reinterpret_cast<float2*>(smem_raw + (sKV0 - smem_addr(smem_raw)) + kStages * 2 * BN * kD * 2);
   constexpr uint32_t kTileBytes = BN * kD * 2;  // one K or V tile
   // stage s: K at sKV0 + s * 2 * kTileBytes, V right after it
 
@@ -316,8 +517,19 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
 
   if (QUANT_P && tid < 128) {
     const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
-    scale_table[tid] = make_float2(S, __frcp_rn(S));
+    const float Sx = kBf16Scale ? __uint_as_float(pack_bf16(S, S)) : S;
+    scale_table[tid] = make_float2(Sx, __frcp_rn(S));
   }
+  // bf16 ones after the scale table (row-sum wgmma), visible after the first barrier
+  const uint32_t sOnes = smem_addr(scale_table) + kScaleTableBytes;
+  if (kRowsumWgmma && tid < kOnesBytes / 4) {
+    reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(scale_table) + kScaleTableBytes)[tid] = 0x3F803F80u;
+  }
+#if VQAD_ATTN_FWD_WGMMA
+  const uint64_t ones_desc = wgmma_desc_plain(sOnes);
+#else
+  (void)sOnes;
+#endif
   load_tile<kBM>(sQ, tq, q0, tid);
   cp_async_commit();
   load_tile<BN>(sKV0, tk, 0, tid);
@@ -357,9 +569,112 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
   // leaves the row sum in every column ([0] row g, [2] row g + 8), already reduced
   // over the quad and rescaled together with the accumulators.
   float lacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const uint32_t ones = 0x3F803F80u;  // two bf16 1.0
 
   const int n_tiles = (p.len_kv + BN - 1) / BN;
+#if VQAD_ATTN_FWD_WGMMA
+  constexpr bool kPipe = WGMMA_S && WGMMA_PV && kSkew;
+#else
+  constexpr bool kPipe = false;
+#endif
+  if constexpr (kPipe) {
+#if VQAD_ATTN_FWD_WGMMA
+    static_assert(BN == 128 && kStages == 3, "skewed schedule: BLOCK_N 128, 3 stages");
+    static_assert(kSkewGroups > 0 && kSkewGroups < kKS, "skew: 1 to 7 groups before the barrier");
+    // Broadcast from lane 0 so that ptxas sees the warpgroup index as warp-uniform
+    // (wgmma in branches on a divergent value would be serialized).
+    const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
+    const uint32_t a_base = sQ + wg * 64 * 128;
+    float (&acch_ref)[16][4] = *reinterpret_cast<float(*)[16][4]>(QUANT_P ? &acch[0][0] : &acc[0][0]);
+    float s[kNT][4];
+    // QK^T of tile j into s (waited for), tail masking, running max, rescale.
+    auto scores = [&](int j, uint32_t sK) {
+      qk_wgmma<BN>(s, a_base, sK);
+      if ((j + 1) * BN > p.len_kv) {
+        const int key_base = j * BN + 2 * t;
+#pragma unroll
+        for (int i = 0; i < kNT; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (key_base + i * 8 + (e & 1) >= p.len_kv) s[i][e] = -INFINITY;
+      }
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kNT; ++i) {
+        mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      mx0 = fmaxf(m_run[0], mx0 * scale_log2);
+      mx1 = fmaxf(m_run[1], mx1 * scale_log2);
+      const float alpha0 = fast_exp2(m_run[0] - mx0);
+      const float alpha1 = fast_exp2(m_run[1] - mx1);
+      m_run[0] = mx0;
+      m_run[1] = mx1;
+      lacc[0] *= alpha0;
+      lacc[1] *= alpha0;
+      lacc[2] *= alpha1;
+      lacc[3] *= alpha1;
+      if (__any_sync(0xffffffffu, alpha0 != 1.0f || alpha1 != 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < kDT; ++i) {
+          acc[i][0] *= alpha0;
+          acc[i][1] *= alpha0;
+          acc[i][2] *= alpha1;
+          acc[i][3] *= alpha1;
+          if constexpr (QUANT_P) {
+            acch[i][0] *= alpha0;
+            acch[i][1] *= alpha0;
+            acch[i][2] *= alpha1;
+            acch[i][3] *= alpha1;
+          }
+        }
+      }
+    };
+    // Barrier k: tile k is visible to all, and tile k - 2's stage (every use of it is
+    // behind this barrier in both warpgroups) receives tile k + 1.
+    auto barrier_and_load = [&](int k) {
+      cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();
+      if (k + 1 < n_tiles) {
+        const uint32_t dst = sKV0 + ((k + 1) % 3) * 2 * kTileBytes;
+        load_tile<BN>(dst, tk, (k + 1) * BN, tid);
+        load_tile<BN>(dst + kTileBytes, tv, (k + 1) * BN, tid);
+      }
+      cp_async_commit();
+    };
+    if (wg == 0) {
+      // barrier j | S(j), softmax, all 8 groups of tile j
+#pragma unroll 1
+      for (int j = 0; j < n_tiles; ++j) {
+        barrier_and_load(j);
+        const uint32_t sK = sKV0 + (j % 3) * 2 * kTileBytes;
+        scores(j, sK);
+        pv_groups<0, kKS, QUANT_P, BN>(s, acc, acch_ref, lacc, m_run, scale_log2, sK + kTileBytes, scale_table, ones_desc);
+        wgmma_wait0();
+      }
+      barrier_and_load(n_tiles);  // pairs with the second warpgroup's last barrier
+    } else {
+      // S(j), softmax, groups [0, kSkewGroups) of tile j | barrier j + 1 | the rest of tile j
+      barrier_and_load(0);
+#pragma unroll 1
+      for (int j = 0; j < n_tiles; ++j) {
+        const uint32_t sK = sKV0 + (j % 3) * 2 * kTileBytes;
+        scores(j, sK);
+        pv_groups<0, kSkewGroups, QUANT_P, BN>(s, acc, acch_ref, lacc, m_run, scale_log2, sK + kTileBytes,
+                                               scale_table, ones_desc);
+        wgmma_wait0();
+        barrier_and_load(j + 1);
+        pv_groups<kSkewGroups, kKS, QUANT_P, BN>(s, acc, acch_ref, lacc, m_run, scale_log2, sK + kTileBytes,
+                                                 scale_table, ones_desc);
+        wgmma_wait0();
+      }
+    }
+#endif
+  } else {
   for (int j = 0; j < n_tiles; ++j) {
     cp_async_wait<0>();
 #if VQAD_ATTN_FWD_WGMMA
@@ -480,40 +795,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
 #pragma unroll
     for (int ks = 0; ks < kKS; ++ks) {
       // this lane's keys of the group: row g -> p[0..3], row g + 8 -> p[4..7]
-      float pr[8];
-      pr[0] = fast_exp2(fmaf(s[2 * ks][0], scale_log2, neg0));
-      pr[1] = fast_exp2(fmaf(s[2 * ks][1], scale_log2, neg0));
-      pr[2] = fast_exp2(fmaf(s[2 * ks + 1][0], scale_log2, neg0));
-      pr[3] = fast_exp2(fmaf(s[2 * ks + 1][1], scale_log2, neg0));
-      pr[4] = fast_exp2(fmaf(s[2 * ks][2], scale_log2, neg1));
-      pr[5] = fast_exp2(fmaf(s[2 * ks][3], scale_log2, neg1));
-      pr[6] = fast_exp2(fmaf(s[2 * ks + 1][2], scale_log2, neg1));
-      pr[7] = fast_exp2(fmaf(s[2 * ks + 1][3], scale_log2, neg1));
-      uint32_t pa[4];  // A fragment of bf16(P): (g, k0-7), (g+8, k0-7), (g, k8-15), (g+8, k8-15)
-      pa[0] = pack_bf16(pr[0], pr[1]);
-      pa[1] = pack_bf16(pr[4], pr[5]);
-      pa[2] = pack_bf16(pr[2], pr[3]);
-      pa[3] = pack_bf16(pr[6], pr[7]);
-      mma_bf16(lacc, pa, ones, ones);
-      uint32_t qa[4];  // A fragment of bf16(P^) (exact: P^ has <= 6 significant bits)
-      if constexpr (QUANT_P) {
-        float am0 = fmaxf(fmaxf(pr[0], pr[1]), fmaxf(pr[2], pr[3]));
-        float am1 = fmaxf(fmaxf(pr[4], pr[5]), fmaxf(pr[6], pr[7]));
-        am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 1));
-        am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 1));
-        am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 2));
-        am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 2));
-        const uint32_t sb = e4m3_bytes2(div6(am0), div6(am1));
-        const float2 s0 = scale_table[sb & 0x7F];  // (S, 1/S) of row g
-        const float2 s1 = scale_table[(sb >> 8) & 0x7F];
-        qa[0] = pack_bf16(fq_p(pr[0], s0.x, s0.y), fq_p(pr[1], s0.x, s0.y));
-        qa[1] = pack_bf16(fq_p(pr[4], s1.x, s1.y), fq_p(pr[5], s1.x, s1.y));
-        qa[2] = pack_bf16(fq_p(pr[2], s0.x, s0.y), fq_p(pr[3], s0.x, s0.y));
-        qa[3] = pack_bf16(fq_p(pr[6], s1.x, s1.y), fq_p(pr[7], s1.x, s1.y));
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) qa[e] = pa[e];
-      }
+      uint32_t pa[4], qa[4];
+      p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], scale_log2, neg0, neg1, scale_table, lacc, pa, qa);
       if constexpr (kWgmmaPV) {
 #if VQAD_ATTN_FWD_WGMMA
         // Asynchronous: the tensor cores work on this group while the next group's
@@ -547,9 +830,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
     }
   }
   cp_async_wait<0>();
+  }  // schedule
 
   // ---- epilogue: full row sums, O = acc / l, O_hp = acch / l, m and l ----
-  const float l0 = lacc[0], l1 = lacc[2];
+  // Every column holds the row sum; the max of two columns (equal values) keeps all
+  // four accumulators live, so the row-sum wgmma never sees an undefined accumulator.
+  const float l0 = fmaxf(lacc[0], lacc[1]), l1 = fmaxf(lacc[2], lacc[3]);
   const float inv_l0 = 1.0f / l0, inv_l1 = 1.0f / l1;
   const int row0 = q0 + warp * 16 + g;
   const int row1 = row0 + 8;
@@ -612,7 +898,7 @@ template <int BN, bool QUANT_P>
 void launch_impl(const AttnQatFwdParams& p, float scale_log2, cudaStream_t stream) {
   auto kernel = attn_qat_fwd_kernel<BN, QUANT_P, kUseWgmmaForS, kUseWgmmaForPV>;
   // Q, two K/V stages, the scale table, and room to align the start to 1024 bytes.
-  const int smem = (kBM + 4 * BN) * kD * 2 + kScaleTableBytes + 1024;
+  const int smem = (kBM + 2 * kStages * BN) * kD * 2 + kScaleTableBytes + (kRowsumWgmma ? kOnesBytes : 0) + 1024;
   // Validated on sm_90 (H100/H200) only; other arches would run the untested
   // mma.sync build of this kernel, so they are refused rather than guessed at.
   int device = 0, major = 0, minor = 0;
