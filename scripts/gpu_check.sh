@@ -3,8 +3,13 @@
 # LibTorch), run the GPU-labelled tests and the CPU tests, run the benchmarks,
 # and print a short table last. Results (logs, benchmark JSON) go to
 # ${OUT:-out/gpu_check}.
-#   VQAD_GPU_BENCH=0   skip the benchmarks
+#   VQAD_GPU_TESTS=0      skip the GPU-labelled tests
+#   VQAD_GPU_BENCH=0      skip the benchmarks
+#   VQAD_GPU_BENCHES=".."  which benchmarks (default: quant linear attention step dmd2)
 #   VQAD_GPU_CPU_TESTS=0  skip the CPU test suite
+#   VQAD_BENCH_TIMEOUT=s  per-benchmark time limit (default 300)
+# A second run on the same machine reuses the build directory (ninja no-op), so the
+# work can be split over two calls, e.g. tests + kernel benches, then step + dmd2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-out/gpu_check}
@@ -35,10 +40,10 @@ run_ctest() {  # label-args name
     grep -E "^\s+[0-9]+ - |Failure|error" "$RESULTS/$name.log" | head -30
   fi
 }
-run_ctest gpu-tests -L gpu
+[ "${VQAD_GPU_TESTS:-1}" = 1 ] && run_ctest gpu-tests -L gpu
 
 if [ "${VQAD_GPU_BENCH:-1}" = 1 ]; then
-  for b in ${VQAD_GPU_BENCHES:-quant linear attention step}; do
+  for b in ${VQAD_GPU_BENCHES:-quant linear attention step dmd2}; do
     if "$B/vqad" bench "$b" --help > /dev/null 2>&1; then
       if timeout "${VQAD_BENCH_TIMEOUT:-300}" "$B/vqad" bench "$b" --out "$RESULTS/bench_$b" > "$RESULTS/bench_$b.txt" 2>&1; then
         row "bench $b" ok "$RESULTS/bench_$b.txt"

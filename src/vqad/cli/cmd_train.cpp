@@ -14,13 +14,17 @@ namespace vqad::cli {
 void register_train_commands(CLI::App& app) {
   {
     auto* sub = app.add_subcommand(
-        "demo", "Run the QAD recipe at tiny scale on synthetic data (teacher -> Attn-QAT + NVFP4 stage 1 -> report)");
+        "demo", "Run the QAD recipe at tiny scale on synthetic data (teacher -> Attn-QAT + NVFP4 stage 1 -> DMD2 stage 2 -> report)");
     auto o = std::make_shared<train::DemoOptions>();
     auto device = std::make_shared<std::string>("cpu");
     sub->add_option("--out", o->out, "output directory (default vqad-demo)");
     sub->add_option("--device", *device, "cpu (default) | cuda | auto");
     sub->add_option("--teacher-steps", o->teacher_steps, "override the teacher's step count");
     sub->add_option("--stage1-steps", o->stage1_steps, "override stage 1's step count");
+    sub->add_option("--stage2-steps", o->stage2_steps, "override stage 2's (DMD2) step count");
+    sub->add_flag("!--no-stage2", o->stage2, "stop after stage 1");
+    sub->add_option("--stage2-set", o->stage2_set, "override a stage-2 recipe value: key.path=value (repeatable)");
+    sub->add_flag("--reuse", o->reuse, "keep --out and skip stages whose export exists (delete an export to re-run it)");
     sub->add_option("--train-rows", o->train_rows, "synthetic training rows (default 64)");
     set_action(sub, [=] {
       o->device = train::parse_device(*device);

@@ -21,6 +21,7 @@
 #include "vqad/train/flow_matching.h"
 #include "vqad/train/metadata.h"
 #include "vqad/train/roles.h"
+#include "vqad/train/sampling.h"
 #include "vqad/train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -46,7 +47,11 @@ double mean_of(const std::vector<double>& v, size_t first, size_t count) {
 
 // Trains one stage from the embedded recipe and exports its final student.
 TrainSummary run_stage(const std::string& name, const char* yaml, const DemoOptions& o, long steps,
-                       const std::string& export_dir) {
+                       const std::string& export_dir, const std::vector<std::string>& extra = {}) {
+  if (o.reuse && fs::is_regular_file(fs::path(export_dir) / "metadata.json")) {
+    std::cout << "== " << name << ": reusing " << export_dir << " ==" << std::endl;
+    return {};
+  }
   const std::string text = substitute(yaml, o.out);
   fs::create_directories(fs::path(o.out) / "configs");
   const std::string cfg_path = (fs::path(o.out) / "configs" / (name + ".yaml")).string();
@@ -56,7 +61,9 @@ TrainSummary run_stage(const std::string& name, const char* yaml, const DemoOpti
     overrides = {"--training.loop.max_train_steps", std::to_string(steps),
                  "--training.checkpoint.training_state_checkpointing_steps", std::to_string(steps)};
   }
+  for (const auto& kv : extra) overrides.push_back("--" + kv);
   RunConfig run = load_run_config(cfg_path, overrides);
+  fs::remove_all(run.training.checkpoint.output_dir);  // a fresh run, never a resume of an older one
   TrainerOptions topt;
   topt.device = o.device;
   topt.progress = o.progress;
@@ -91,6 +98,27 @@ std::shared_ptr<model::WanModel> load_eval_model(const std::string& dir, bool qu
   return m;
 }
 
+// Per-sample features of latent videos [N, C, T, H, W]: per channel the mean, the std,
+// the mean |temporal difference| and the mean |horizontal difference| -> [N, 4C].
+torch::Tensor video_features(const torch::Tensor& x) {
+  auto f = x.to(torch::kFloat32);
+  auto mean = f.mean({2, 3, 4});
+  auto std = f.std({2, 3, 4}, /*unbiased=*/false);
+  auto dt = (f.narrow(2, 1, f.size(2) - 1) - f.narrow(2, 0, f.size(2) - 1)).abs().mean({2, 3, 4});
+  auto dw = (f.narrow(4, 1, f.size(4) - 1) - f.narrow(4, 0, f.size(4) - 1)).abs().mean({2, 3, 4});
+  return torch::cat({mean, std, dt, dw}, 1);
+}
+
+// Distance between two sample sets through their features, each feature standardized by
+// the reference set's spread: sum_d ((mu_a - mu_r)^2 + (s_a - s_r)^2) / s_r^2 / D
+// (a diagonal Frechet distance; 0 = same first and second moments as the reference).
+double feature_distance(const torch::Tensor& a, const torch::Tensor& ref) {
+  auto fa = video_features(a), fr = video_features(ref);
+  auto mr = fr.mean(0), sr = fr.std(0, /*unbiased=*/false) + 1e-6;
+  auto ma = fa.mean(0), sa = fa.std(0, /*unbiased=*/false);
+  return (((ma - mr).pow(2) + (sa - sr).pow(2)) / sr.pow(2)).mean().item<double>();
+}
+
 }  // namespace
 
 DemoReport run_demo(const DemoOptions& o) {
@@ -101,7 +129,7 @@ DemoReport run_demo(const DemoOptions& o) {
     const bool ours = fs::exists(fs::path(o.out) / kDemoMarker);
     VQAD_CHECK(ours || fs::is_empty(o.out), "demo: ", o.out,
                " exists and was not made by vqad demo; choose another --out");
-    fs::remove_all(o.out);
+    if (!o.reuse) fs::remove_all(o.out);
   }
   fs::create_directories(o.out);
   std::ofstream(fs::path(o.out) / kDemoMarker) << "vqad demo output\n";
@@ -115,17 +143,20 @@ DemoReport run_demo(const DemoOptions& o) {
   so.text_dim = tiny.text_dim;
   so.seed = 7;
   data::WriterOptions wo;
-  data::write_synthetic_dataset((fs::path(o.out) / "data" / "train").string(), o.train_rows, so, wo);
   data::SynthOptions ho = so;
   ho.seed = 7777;  // held-out: different videos and captions
+  fs::remove_all(fs::path(o.out) / "data");  // cheap and deterministic: always rewritten
+  data::write_synthetic_dataset((fs::path(o.out) / "data" / "train").string(), o.train_rows, so, wo);
   data::write_synthetic_dataset((fs::path(o.out) / "data" / "heldout").string(), o.heldout_rows, ho, wo);
   std::cout << "synthetic data: " << o.train_rows << " train / " << o.heldout_rows << " held-out rows, latents [16, "
             << so.latent_t << ", " << so.latent_h << ", " << so.latent_w << "]" << std::endl;
 
   const std::string teacher_export = (fs::path(o.out) / "teacher_export").string();
   const std::string stage1_export = (fs::path(o.out) / "stage1_export").string();
+  const std::string stage2_export = (fs::path(o.out) / "stage2_export").string();
   auto s0 = run_stage("teacher", demo_configs::kTeacherYaml, o, o.teacher_steps, teacher_export);
   auto s1 = run_stage("stage1_attn_qat_sft", demo_configs::kStage1Yaml, o, o.stage1_steps, stage1_export);
+  rep.stage1_export = stage1_export;
   rep.teacher_train_first = mean_of(s0.losses, 0, 10);
   rep.teacher_train_last = mean_of(s0.losses, s0.losses.size() >= 10 ? s0.losses.size() - 10 : 0, 10);
   rep.stage1_train_first = mean_of(s1.losses, 0, 10);
@@ -149,27 +180,29 @@ DemoReport run_demo(const DemoOptions& o) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(12345);
   double tl = 0, pl = 0, ql = 0, pe = 0, qe = 0, tn = 0;
   int64_t count = 0;
-  torch::NoGradGuard no_grad;
-  for (int64_t i = 0; i < held->size(); ++i) {
-    auto batch = held->get_batch({i});
-    auto x0 = batch.latent.to(o.device, torch::kBFloat16);
-    auto text = batch.text.to(o.device, torch::kBFloat16);
-    for (int idx : {100, 300, 500, 700, 900}) {
-      auto noise = at::randn(batch.latent.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(o.device, torch::kBFloat16);
-      auto t = torch::tensor({grid.timestep(idx)}, torch::kFloat64);
-      auto xt = grid.add_noise(x0, noise, t);
-      auto tt = t.to(o.device, torch::kFloat32);
-      auto target = (noise.to(torch::kFloat32) - x0.to(torch::kFloat32));
-      auto vt = teacher->forward(xt, tt, text).to(torch::kFloat32);
-      auto vp = ptq->forward(xt, tt, text).to(torch::kFloat32);
-      auto vq = qat->forward(xt, tt, text).to(torch::kFloat32);
-      tl += (vt - target).pow(2).mean().item<double>();
-      pl += (vp - target).pow(2).mean().item<double>();
-      ql += (vq - target).pow(2).mean().item<double>();
-      pe += (vp - vt).pow(2).sum().item<double>();
-      qe += (vq - vt).pow(2).sum().item<double>();
-      tn += vt.pow(2).sum().item<double>();
-      ++count;
+  {
+    torch::NoGradGuard no_grad;
+    for (int64_t i = 0; i < held->size(); ++i) {
+      auto batch = held->get_batch({i});
+      auto x0 = batch.latent.to(o.device, torch::kBFloat16);
+      auto text = batch.text.to(o.device, torch::kBFloat16);
+      for (int idx : {100, 300, 500, 700, 900}) {
+        auto noise = at::randn(batch.latent.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(o.device, torch::kBFloat16);
+        auto t = torch::tensor({grid.timestep(idx)}, torch::kFloat64);
+        auto xt = grid.add_noise(x0, noise, t);
+        auto tt = t.to(o.device, torch::kFloat32);
+        auto target = (noise.to(torch::kFloat32) - x0.to(torch::kFloat32));
+        auto vt = teacher->forward(xt, tt, text).to(torch::kFloat32);
+        auto vp = ptq->forward(xt, tt, text).to(torch::kFloat32);
+        auto vq = qat->forward(xt, tt, text).to(torch::kFloat32);
+        tl += (vt - target).pow(2).mean().item<double>();
+        pl += (vp - target).pow(2).mean().item<double>();
+        ql += (vq - target).pow(2).mean().item<double>();
+        pe += (vp - vt).pow(2).sum().item<double>();
+        qe += (vq - vt).pow(2).sum().item<double>();
+        tn += vt.pow(2).sum().item<double>();
+        ++count;
+      }
     }
   }
   rep.teacher_loss = tl / count;
@@ -177,6 +210,52 @@ DemoReport run_demo(const DemoOptions& o) {
   rep.qat_loss = ql / count;
   rep.ptq_error = pe / tn;
   rep.qat_error = qe / tn;
+
+  // Stage 2: DMD2 distillation of the stage-1 student into a 3-step generator.
+  if (o.stage2) {
+    auto s2 = run_stage("stage2_dmd", demo_configs::kStage2Yaml, o, o.stage2_steps, stage2_export, o.stage2_set);
+    rep.stage2_ran = true;
+    rep.stage2_train_first = mean_of(s2.losses, 0, 10);
+    rep.stage2_train_last = mean_of(s2.losses, s2.losses.size() >= 10 ? s2.losses.size() - 10 : 0, 10);
+    auto problems2 = verify_lineage(stage2_export);
+    rep.lineage_verified = rep.lineage_verified && problems2.empty();
+    for (const auto& p : problems2) std::cout << "lineage problem: " << p << "\n";
+    std::cout << "== lineage of " << stage2_export << " ==\n" << lineage_text(read_metadata(stage2_export));
+    std::vector<std::string> set2;
+    for (const auto& kv : o.stage2_set) set2.push_back("--" + kv);
+    RunConfig run2 = parse_run_config(substitute(demo_configs::kStage2Yaml, o.out), set2);
+    const auto& steps = run2.method.dmd2.dmd_denoising_steps;
+    const double guidance = run2.method.dmd2.real_score_guidance_scale;
+    auto dmd = load_eval_model(stage2_export, true, o.device);
+    torch::NoGradGuard no_grad;
+    // Held-out prompts x 4 initial noises; the same noise for every sampler.
+    std::vector<torch::Tensor> texts, noises;
+    auto sgen = at::make_generator<at::CPUGeneratorImpl>(2024);
+    for (int64_t i = 0; i < held->size(); ++i) {
+      auto b = held->get_batch({i});
+      for (int k = 0; k < 4; ++k) {
+        texts.push_back(b.text);
+        noises.push_back(at::randn(b.latent.sizes(), sgen, torch::TensorOptions(torch::kFloat32)));
+      }
+    }
+    auto text = torch::cat(texts, 0).to(o.device, torch::kBFloat16);
+    auto noise = torch::cat(noises, 0).to(o.device);
+    auto uncond = torch::zeros_like(text);
+    auto ref = euler_sample(*teacher, noise, text, uncond, guidance, 48, 3.0);
+    auto few = euler_sample(*teacher, noise, text, uncond, guidance, 3, 3.0);
+    auto g1 = at::make_generator<at::CPUGeneratorImpl>(77);
+    auto st1 = dmd_sample(*qat, grid, noise, text, steps, g1);
+    auto g2 = at::make_generator<at::CPUGeneratorImpl>(77);
+    auto st2 = dmd_sample(*dmd, grid, noise, text, steps, g2);
+    auto rel = [&](const torch::Tensor& a) { return ((a - ref).pow(2).sum() / ref.pow(2).sum()).item<double>(); };
+    rep.samples = ref.size(0);
+    rep.fd_teacher_3 = feature_distance(few, ref);
+    rep.fd_stage1_3 = feature_distance(st1, ref);
+    rep.fd_dmd_3 = feature_distance(st2, ref);
+    rep.mse_teacher_3 = rel(few);
+    rep.mse_stage1_3 = rel(st1);
+    rep.mse_dmd_3 = rel(st2);
+  }
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return rep;
 }
@@ -193,11 +272,40 @@ std::string demo_report_text(const DemoReport& r) {
   os << buf;
   std::snprintf(buf, sizeof(buf), "%-34s %12.5f %22.5f\n", "QAT: stage-1 student (NVFP4)", r.qat_loss, r.qat_error);
   os << buf;
-  std::snprintf(buf, sizeof(buf), "training loss: teacher %.4f -> %.4f, stage 1 %.4f -> %.4f\n", r.teacher_train_first,
-                r.teacher_train_last, r.stage1_train_first, r.stage1_train_last);
-  os << buf;
+  if (r.teacher_train_last > 0 && r.stage1_train_last > 0) {
+    std::snprintf(buf, sizeof(buf), "training loss: teacher %.4f -> %.4f, stage 1 %.4f -> %.4f\n",
+                  r.teacher_train_first, r.teacher_train_last, r.stage1_train_first, r.stage1_train_last);
+    os << buf;
+  } else {
+    os << "training loss: n/a for stages reused from an earlier run (--reuse)\n";
+  }
   os << "QAT beats PTQ (error vs teacher): " << (r.qat_error < r.ptq_error ? "yes" : "NO")
      << "; (held-out loss): " << (r.qat_loss < r.ptq_loss ? "yes" : "NO") << "\n";
+  if (r.stage2_ran) {
+    os << "== stage 2 (DMD2, 3-step NVFP4 student) vs the 48-step teacher, " << r.samples
+       << " held-out samples (prompts x noises) ==\n";
+    std::snprintf(buf, sizeof(buf), "%-40s %16s %20s\n", "sampler", "feature dist.", "rel. MSE vs teacher");
+    os << buf;
+    std::snprintf(buf, sizeof(buf), "%-40s %16s %20s\n", "teacher, 48 Euler steps, CFG (reference)", "0", "0");
+    os << buf;
+    std::snprintf(buf, sizeof(buf), "%-40s %16.4f %20.4f\n", "teacher, 3 Euler steps, CFG", r.fd_teacher_3,
+                  r.mse_teacher_3);
+    os << buf;
+    std::snprintf(buf, sizeof(buf), "%-40s %16.4f %20.4f\n", "stage-1 student, 3 DMD steps (no DMD2)", r.fd_stage1_3,
+                  r.mse_stage1_3);
+    os << buf;
+    std::snprintf(buf, sizeof(buf), "%-40s %16.4f %20.4f\n", "stage-2 DMD2 student, 3 steps", r.fd_dmd_3, r.mse_dmd_3);
+    os << buf;
+    if (r.stage2_train_last > 0) {
+      std::snprintf(buf, sizeof(buf), "stage 2 loss (generator + critic): %.4f -> %.4f\n", r.stage2_train_first,
+                    r.stage2_train_last);
+      os << buf;
+    }
+    os << "DMD2 moved the 3-step student toward the teacher's distribution (feature distance "
+       << r.fd_stage1_3 << " -> " << r.fd_dmd_3 << "): " << (r.fd_dmd_3 < r.fd_stage1_3 ? "yes" : "NO")
+       << "; closer than the teacher's own 3 Euler steps: " << (r.fd_dmd_3 < r.fd_teacher_3 ? "yes" : "no")
+       << "\n";
+  }
   os << "lineage verified: " << (r.lineage_verified ? "yes" : "NO") << "\n";
   std::snprintf(buf, sizeof(buf), "wall time: %.1f s\n", r.seconds);
   os << buf;

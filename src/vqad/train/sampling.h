@@ -1,0 +1,26 @@
+// Samplers of a trained Wan model (latent space, no VAE): the multi-step Euler ODE
+// solver of flow matching with classifier-free guidance (the teacher's sampler), and the
+// few-step DMD sampler of a distilled student (predict x0, re-noise to the next step).
+#pragma once
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "vqad/model/wan/model.h"
+#include "vqad/train/flow_matching.h"
+
+namespace vqad::train {
+
+// Euler on sigma(s) = shifted_sigmas(steps, shift): x <- x + (sigma_{i+1} - sigma_i) v,
+// v = v_u + guidance (v_c - v_u) at t = 1000 sigma_i (v_c alone when guidance == 1 or
+// `uncond` is undefined). Returns the final x (sigma 0) in fp32.
+torch::Tensor euler_sample(model::WanModel& m, const torch::Tensor& noise, const torch::Tensor& text,
+                           const torch::Tensor& uncond, double guidance, int steps, double shift);
+
+// DMD sampler: x = noise; for each timestep t_i: x0 = predict_x0(x, v(x, t_i)) on `grid`;
+// x = add_noise(x0, fresh noise from `gen`, t_{i+1}) until the last step. Returns the
+// last x0 in fp32.
+torch::Tensor dmd_sample(model::WanModel& m, const FlowMatchGrid& grid, const torch::Tensor& noise,
+                         const torch::Tensor& text, const std::vector<double>& timesteps, torch::Generator& gen);
+
+}  // namespace vqad::train
