@@ -385,3 +385,19 @@ TEST(Dmd2BenchCli, TinyPresetRunsBothRolloutsOnTheCpu) {
   fs::remove_all(dir);
   fs::remove(dir.string() + ".log");
 }
+
+// Validation during dmd2 uses the student's few-step DMD sampler.
+TEST_F(Dmd2Fixture, ValidationSamplesWithTheDmdSampler) {
+  const auto out = root / "val";
+  std::string y = yaml(out.string(), "simulate", 2, 0, 1);
+  y.replace(y.find("pipeline:"), 0,
+            "  validation:\n    _target_: fastvideo.train.methods.ode_init.dmd_validation.ShiftedDMDValidationCallback\n"
+            "    dataset_file: " + (root / "text").string() + "\n    every_steps: 2\n    sampling_steps: [2]\n"
+            "    sampling_timesteps: [1000, 700]\n    run_at_start: false\n");
+  train::Trainer(train::parse_run_config(y), quiet()).run();
+  std::map<std::string, std::string> meta;
+  auto t = io::load_safetensors((out / "validation" / "step-2" / "samples.safetensors").string(), &meta);
+  EXPECT_EQ(t.at("latents").sizes().vec(), (std::vector<int64_t>{12, 16, 2, 4, 4}));
+  EXPECT_NE(meta.at("sampler").find("dmd, timesteps [1000.0,700.0]"), std::string::npos) << meta.at("sampler");
+  EXPECT_FALSE(fs::exists(out / "validation" / "step-0"));
+}

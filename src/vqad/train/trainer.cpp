@@ -23,6 +23,7 @@
 #include "vqad/train/metadata.h"
 #include "vqad/train/methods/dmd2.h"
 #include "vqad/train/methods/sft.h"
+#include "vqad/train/validation.h"
 
 #ifdef VQAD_WITH_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -109,6 +110,7 @@ struct Trainer::Impl {
   std::map<std::string, double> base_lr;
   std::map<std::string, long> updates;  // optimizer steps taken per role (LR schedule position)
   std::unique_ptr<TrainingMethod> method;
+  std::unique_ptr<ValidationRunner> validation;
   torch::Generator gen;
   long start_step = 0;
   std::string started_at;
@@ -140,13 +142,9 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
              tc.data.data_path.size());
   VQAD_CHECK(tc.dit_precision == "fp32", "training.dit_precision: vqad keeps FP32 master weights (found '",
              tc.dit_precision, "')");
-  // Callbacks this build does not run: EMA would change what is exported, so it is an
-  // error; validation sampling does not change training, so it is a warning.
+  // EMA would change what is exported: refused rather than ignored.
   VQAD_CHECK(!run_.callbacks.ema.enabled, "callbacks.ema: EMA weights are not available in this vqad build; "
              "remove the ema callback");
-  if (run_.callbacks.validation.enabled)
-    log::warn("callbacks.validation: validation sampling is not available in this vqad build; training runs "
-              "without it (metrics.jsonl still records the training losses)");
   impl_->started_at = utc_now_iso();
   impl_->gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(tc.data.seed));
 
@@ -200,6 +198,9 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
     impl_->method = std::make_unique<Dmd2Method>(run_, student, roles_.at("teacher"), roles_.at("critic"));
   else
     impl_->method = std::make_unique<SftMethod>(run_, student);
+  const auto& vc = run_.callbacks.validation;
+  if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start))
+    impl_->validation = std::make_unique<ValidationRunner>(run_, student, options_.device);
 }
 
 Trainer::~Trainer() = default;
@@ -296,6 +297,7 @@ TrainSummary Trainer::run() {
   if (options_.progress) bar = std::make_unique<Progress>("train", max_steps - I.start_step, "step");
   summary.first_step = I.start_step + 1;
   long last_saved = -1;
+  if (I.validation && I.validation->at_start() && I.start_step == 0) metrics.log(0, I.validation->run(0));
 
   for (long step = I.start_step + 1; step <= max_steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -352,6 +354,8 @@ TrainSummary Trainer::run() {
       const int64_t per_sample = tokens / std::max<int64_t>(1, tc.data.train_batch_size * accum);
       rec["mfu"] = step_flops(mc, per_sample, tc.data.train_batch_size * accum, mc.text_len) / dt / 989e12;
     }
+    if (I.validation && I.validation->due(step))
+      for (const auto& [k, v] : I.validation->run(step)) rec[k] = v;
     metrics.log(step, rec);
     summary.losses.push_back(loss);
     summary.last_step = step;

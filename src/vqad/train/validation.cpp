@@ -1,0 +1,168 @@
+#include "vqad/train/validation.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "vqad/core/error.h"
+#include "vqad/core/log.h"
+#include "vqad/core/safetensors.h"
+#include "vqad/data/parquet_dataset.h"
+#include "vqad/io/tensors.h"
+#include "vqad/train/sampling.h"
+
+namespace fs = std::filesystem;
+
+namespace vqad::train {
+
+namespace {
+constexpr const char* kKey = "callbacks.validation.dataset_file";
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+torch::Tensor padded(const torch::Tensor& t, int64_t text_len, int64_t text_dim, const std::string& where) {
+  VQAD_CHECK(t.dim() == 2 || (t.dim() == 3 && t.size(0) == 1), where,
+             ": expected a text embedding [L, D] or [1, L, D], found ", t.sizes());
+  auto e = (t.dim() == 3 ? t[0] : t).to(torch::kFloat32);
+  VQAD_CHECK(e.size(1) == text_dim, where, ": embedding width ", e.size(1), " != the model's text_dim ", text_dim);
+  auto out = torch::zeros({text_len, text_dim});
+  const int64_t n = std::min(text_len, e.size(0));
+  out.narrow(0, 0, n).copy_(e.narrow(0, 0, n));
+  return out;
+}
+}  // namespace
+
+ValidationPrompts load_validation_prompts(const std::string& path, int64_t text_len, int64_t text_dim) {
+  VQAD_CHECK(fs::exists(path), kKey, " '", path, "': no such file or directory");
+  ValidationPrompts p;
+  std::vector<torch::Tensor> texts;
+  if (ends_with(path, ".json")) {
+    std::ifstream f(path);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(f);
+    } catch (const std::exception& e) {
+      fail(kKey, " '", path, "': malformed JSON: ", e.what());
+    }
+    const nlohmann::json& list = j.is_object() && j.contains("data") ? j["data"] : j;
+    VQAD_CHECK(list.is_array() && !list.empty(), kKey, " '", path,
+               "': expected a non-empty list of prompts (or {\"data\": [...]})");
+    for (size_t i = 0; i < list.size(); ++i) {
+      const auto& e = list[i];
+      const std::string where = std::string(kKey) + " '" + path + "' entry " + std::to_string(i);
+      VQAD_CHECK(e.is_object(), where, ": expected an object");
+      VQAD_CHECK(e.contains("embedding"), where,
+                 ": no 'embedding' (vqad has no text encoder: give each prompt a .safetensors file with its "
+                 "[L, ", text_dim, "] text embedding, or point dataset_file to a preprocessed parquet dataset)");
+      fs::path ep = e["embedding"].get<std::string>();
+      if (ep.is_relative()) ep = fs::path(path).parent_path() / ep;
+      VQAD_CHECK(fs::is_regular_file(ep), where, ": embedding file '", ep.string(), "' not found");
+      auto tensors = io::load_safetensors(ep.string());
+      VQAD_CHECK(tensors.size() == 1, where, ": '", ep.string(), "' must hold one tensor, found ", tensors.size());
+      texts.push_back(padded(tensors.begin()->second, text_len, text_dim, where));
+      p.captions.push_back(e.value("caption", std::string()));
+    }
+  } else {
+    data::DatasetOptions o;
+    o.kind = data::DataKind::TextOnly;
+    o.text_len = text_len;
+    o.text_dim = text_dim;
+    std::shared_ptr<data::ParquetDataset> ds;
+    try {
+      ds = data::ParquetDataset::open(path, o);
+    } catch (const Error& e) {
+      fail(kKey, " '", path, "': neither a .json prompt list nor a readable parquet dataset: ", e.what());
+    }
+    VQAD_CHECK(ds->size() > 0, kKey, " '", path, "': the dataset has no rows");
+    for (int64_t i = 0; i < ds->size(); ++i) {
+      auto s = ds->get(i);
+      texts.push_back(s.text.to(torch::kFloat32));
+      p.captions.push_back(s.caption);
+    }
+  }
+  p.text = torch::stack(texts);
+  return p;
+}
+
+ValidationRunner::ValidationRunner(const RunConfig& run, std::shared_ptr<Role> student, torch::Device device)
+    : run_(run), student_(std::move(student)), device_(device) {
+  const auto& v = run_.callbacks.validation;
+  const auto& mc = student_->model->config();
+  VQAD_CHECK(v.every_steps > 0 || v.run_at_start, "callbacks.validation: every_steps is 0 and run_at_start false");
+  prompts_ = load_validation_prompts(v.dataset_file, mc.text_len, mc.text_dim);
+  // Latent geometry: the callback's height/width/num_frames, else training.data's.
+  const auto& d = run_.training.data;
+  const int64_t h = v.height > 0 ? v.height : d.num_height, w = v.width > 0 ? v.width : d.num_width;
+  int64_t t = v.num_frames > 0 ? (v.num_frames - 1) / 4 + 1 : d.num_latent_t;
+  if (t <= 0 && d.num_frames > 0) t = (d.num_frames - 1) / 4 + 1;
+  VQAD_CHECK(h > 0 && w > 0 && t > 0 && h % 16 == 0 && w % 16 == 0,
+             "callbacks.validation: the sample geometry is unknown or invalid (height ", h, ", width ", w,
+             ", latent frames ", t, "): set callbacks.validation.height/width/num_frames or training.data."
+             "num_height/num_width/num_latent_t (height and width multiples of 16)");
+  shape_ = {prompts_.text.size(0), mc.in_channels, t, h / 8, w / 8};
+  out_dir_ = v.output_dir.empty() ? (fs::path(run_.training.checkpoint.output_dir) / "validation").string()
+                                  : v.output_dir;
+  log::info("validation: ", shape_[0], " prompts from ", v.dataset_file, ", latents [", shape_[1], ", ", shape_[2],
+            ", ", shape_[3], ", ", shape_[4], "], ",
+            run_.method.kind == MethodKind::kDmd2 ? "DMD sampler" : "Euler sampler", ", every ", v.every_steps,
+            " steps, to ", out_dir_);
+}
+
+bool ValidationRunner::due(long step) const {
+  const auto& v = run_.callbacks.validation;
+  return v.every_steps > 0 && step % v.every_steps == 0;
+}
+
+bool ValidationRunner::at_start() const { return run_.callbacks.validation.run_at_start; }
+
+std::map<std::string, double> ValidationRunner::run(long step) {
+  const auto& v = run_.callbacks.validation;
+  const auto t0 = std::chrono::steady_clock::now();
+  torch::NoGradGuard ng;
+  auto& m = *student_->model;
+  const auto dtype = m.options().compute_dtype;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(run_.training.data.seed) * 1000003ULL +
+                                                      static_cast<uint64_t>(step));
+  auto noise = at::randn(shape_, gen, torch::TensorOptions(torch::kFloat32)).to(device_);
+  auto text = prompts_.text.to(device_, dtype);
+  torch::Tensor latents;
+  std::string sampler;
+  if (run_.method.kind == MethodKind::kDmd2) {
+    std::vector<double> ts = v.sampling_timesteps;
+    if (ts.empty()) ts = run_.method.dmd2.dmd_denoising_steps;
+    latents = dmd_sample(m, student_->grid, noise, text, ts, gen);
+    sampler = "dmd, timesteps " + nlohmann::json(ts).dump();
+  } else {
+    const int steps = static_cast<int>(v.sampling_steps.empty() ? 50 : v.sampling_steps.front());
+    const double shift = run_.pipeline.flow_shift.value_or(student_->config.flow_shift);
+    latents = euler_sample(m, noise, text, torch::zeros_like(text), v.guidance_scale, steps, shift);
+    sampler = "euler, " + std::to_string(steps) + " steps, shift " + std::to_string(shift) + ", guidance " +
+              std::to_string(v.guidance_scale);
+  }
+  latents = latents.cpu();
+  const fs::path dir = fs::path(out_dir_) / ("step-" + std::to_string(step));
+  fs::create_directories(dir);
+  nlohmann::json caps = prompts_.captions;
+  io::save_safetensors((dir / "samples.safetensors").string(), {{"latents", latents}},
+                       {{"captions", caps.dump()}, {"sampler", sampler}, {"step", std::to_string(step)}});
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  nlohmann::json summary{{"step", step},
+                         {"sampler", sampler},
+                         {"prompts", caps},
+                         {"latent_shape", shape_},
+                         {"latent_std", latents.std().item<double>()},
+                         {"finite", torch::isfinite(latents).all().item<bool>()},
+                         {"seconds", secs}};
+  const std::string text_summary = summary.dump(2) + "\n";
+  st::write_file_atomic((dir / "summary.json").string(), {text_summary});
+  log::info("validation at step ", step, ": ", shape_[0], " samples (", sampler, ") in ", secs, " s -> ",
+            dir.string());
+  return {{"validation/seconds", secs}, {"validation/latent_std", summary["latent_std"].get<double>()}};
+}
+
+}  // namespace vqad::train

@@ -1,0 +1,59 @@
+// The validation callback (callbacks.validation): every `every_steps` optimizer steps
+// (and before the first step when run_at_start), the student samples the validation
+// prompts and the latents are written to
+//   <output_dir>/validation/step-<k>/samples.safetensors
+// (one F32 tensor "latents" [N, 16, T, H, W], captions in the file's metadata) with a
+// summary.json. vqad has no VAE or text encoder: decoding to video is left to the user,
+// and the prompts come with precomputed text embeddings:
+//   - a parquet dataset (t2v or text_only schema; its text embeddings and captions), or
+//   - a JSON file: {"data": [{"caption": "...", "embedding": "neg.safetensors"}, ...]}
+//     (or a bare list), each embedding a .safetensors file with one [L, D] tensor,
+//     relative to the JSON's directory.
+// Samplers: method sft -> the Euler ODE sampler with sampling_steps[0] steps, CFG
+// guidance_scale against the zero text (the unconditional the SFT text dropout trains),
+// shift pipeline.flow_shift (else the student's); method dmd2 -> the few-step DMD
+// sampler on sampling_timesteps (else method.dmd_denoising_steps).
+// The initial noise and the DMD re-noising come from a generator seeded by
+// training.data.seed and the step, never from the trainer's generator, so validation does
+// not change training (resume equality holds with or without it).
+#pragma once
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vqad/train/config.h"
+#include "vqad/train/roles.h"
+
+namespace vqad::train {
+
+struct ValidationPrompts {
+  std::vector<std::string> captions;
+  torch::Tensor text;  // [N, text_len, D] fp32
+};
+
+// Reads validation prompts (see above); errors name callbacks.validation.dataset_file.
+ValidationPrompts load_validation_prompts(const std::string& path, int64_t text_len, int64_t text_dim);
+
+class ValidationRunner {
+ public:
+  // Throws (naming the key) when the prompts or the latent geometry cannot be resolved.
+  ValidationRunner(const RunConfig& run, std::shared_ptr<Role> student, torch::Device device);
+  bool due(long step) const;
+  bool at_start() const;
+  // Samples, writes the files, returns metrics ("validation/seconds", ...).
+  std::map<std::string, double> run(long step);
+  const std::vector<int64_t>& latent_shape() const { return shape_; }
+
+ private:
+  RunConfig run_;
+  std::shared_ptr<Role> student_;
+  torch::Device device_;
+  ValidationPrompts prompts_;
+  std::vector<int64_t> shape_;  // [N, C, T, H, W]
+  std::string out_dir_;
+};
+
+}  // namespace vqad::train
