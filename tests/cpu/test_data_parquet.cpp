@@ -15,6 +15,7 @@
 #include "vqad/data/parquet_dataset.h"
 #include "vqad/data/parquet_writer.h"
 #include "vqad/data/py_random.h"
+#include "vqad/data/synthetic.h"
 
 namespace fs = std::filesystem;
 using namespace vqad::data;
@@ -423,4 +424,33 @@ TEST(DataParquetErrors, BadOptionsAndRows) {
   samples[0].text_mask = samples[1].text_mask = torch::zeros({4});
   msg = error_of([&] { collate(samples); });
   EXPECT_NE(msg.find("different latent shapes"), std::string::npos) << msg;
+}
+
+// FastVideo's "a:2,b" data_path: one row space over the sources, a repeated once per copy.
+TEST(DataParquet, SeveralSourcesWithRepeatCounts) {
+  const auto dir = fs::temp_directory_path() / ("vqad_sources_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  vqad::data::SynthOptions so;
+  so.kind = vqad::data::DataKind::TextOnly;
+  so.text_dim = 8;
+  so.seed = 1;
+  vqad::data::write_synthetic_dataset((dir / "a").string(), 3, so, vqad::data::WriterOptions{});
+  so.seed = 2;
+  vqad::data::write_synthetic_dataset((dir / "b").string(), 2, so, vqad::data::WriterOptions{});
+  vqad::data::DatasetOptions o;
+  o.kind = vqad::data::DataKind::TextOnly;
+  o.text_dim = 8;
+  o.text_len = 16;
+  auto ds = vqad::data::ParquetDataset::open_sources({{(dir / "a").string(), 2}, {(dir / "b").string(), 1}}, o);
+  ASSERT_EQ(ds->size(), 3 * 2 + 2);
+  auto a = vqad::data::ParquetDataset::open((dir / "a").string(), o);
+  auto b = vqad::data::ParquetDataset::open((dir / "b").string(), o);
+  for (int64_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(ds->get(i).caption, a->get(i).caption);
+    EXPECT_EQ(ds->get(3 + i).caption, a->get(i).caption);
+    EXPECT_TRUE(torch::equal(ds->get(3 + i).text, a->get(i).text));
+  }
+  for (int64_t i = 0; i < 2; ++i) EXPECT_EQ(ds->get(6 + i).caption, b->get(i).caption);
+  EXPECT_THROW(vqad::data::ParquetDataset::open_sources({{(dir / "a").string(), 0}}, o), vqad::Error);
+  fs::remove_all(dir);
 }

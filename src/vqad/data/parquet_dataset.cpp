@@ -97,6 +97,17 @@ struct ParquetDataset::Impl {
 ParquetDataset::~ParquetDataset() = default;
 
 std::shared_ptr<ParquetDataset> ParquetDataset::open(const std::string& root, DatasetOptions options) {
+  return open_sources({{root, 1}}, std::move(options));
+}
+
+std::shared_ptr<ParquetDataset> ParquetDataset::open_sources(const std::vector<std::pair<std::string, int64_t>>& sources,
+                                                             DatasetOptions options) {
+  VQAD_CHECK(!sources.empty(), "parquet dataset: no data path given");
+  std::string root;
+  for (const auto& [path, repeat] : sources) {
+    VQAD_CHECK(repeat >= 1, "parquet dataset: repeat count of '", path, "' must be >= 1, found ", repeat);
+    root += (root.empty() ? "" : ",") + path + (repeat > 1 ? ":" + std::to_string(repeat) : "");
+  }
   VQAD_CHECK(options.text_len > 0, "parquet dataset: text_len must be positive, found ",
              options.text_len);
   VQAD_CHECK(options.num_latent_t >= 0, "parquet dataset: num_latent_t must be >= 0, found ",
@@ -108,7 +119,14 @@ std::shared_ptr<ParquetDataset> ParquetDataset::open(const std::string& root, Da
   ds->options_ = options;
   ds->impl_ = std::make_unique<Impl>();
   const auto& required = required_columns(options.kind);
-  for (const auto& path : find_parquet_files(root)) {
+  // Every source's files, `repeat` times over, in the order given: global rows run over
+  // the first source's copies, then the next source's.
+  std::vector<std::string> paths;
+  for (const auto& [src, repeat] : sources) {
+    const auto files = find_parquet_files(src);
+    for (int64_t r = 0; r < repeat; ++r) paths.insert(paths.end(), files.begin(), files.end());
+  }
+  for (const auto& path : paths) {
     FileEntry entry;
     entry.path = path;
     entry.first_global_row = ds->total_rows_;

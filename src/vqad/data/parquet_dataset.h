@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace vqad::data {
@@ -97,6 +98,10 @@ std::vector<std::string> find_parquet_files(const std::string& root);
 class ParquetDataset {
  public:
   static std::shared_ptr<ParquetDataset> open(const std::string& root, DatasetOptions options);
+  // Several roots, each repeated `repeat` times (FastVideo's "a:2,b" data_path): one
+  // global row space over the roots' files in order, a root's files listed once per repeat.
+  static std::shared_ptr<ParquetDataset> open_sources(const std::vector<std::pair<std::string, int64_t>>& sources,
+                                                      DatasetOptions options);
 
   int64_t size() const { return total_rows_; }
   const std::vector<FileEntry>& files() const { return files_; }

@@ -138,8 +138,7 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   VQAD_CHECK(tc.loop.max_train_steps > 0, "training.loop.max_train_steps must be > 0, found ", tc.loop.max_train_steps);
   VQAD_CHECK(tc.distributed.num_gpus == 1, "training.distributed.num_gpus = ", tc.distributed.num_gpus,
              ": this vqad build trains on one device (multi-GPU sharding is not available yet)");
-  VQAD_CHECK(tc.data.data_path.size() == 1, "training.data.data_path: expected one dataset path, found ",
-             tc.data.data_path.size());
+  VQAD_CHECK(!tc.data.data_path.empty(), "training.data.data_path: no dataset path given");
   VQAD_CHECK(tc.dit_precision == "fp32", "training.dit_precision: vqad keeps FP32 master weights (found '",
              tc.dit_precision, "')");
   // EMA would change what is exported: refused rather than ignored.
@@ -168,7 +167,9 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   dopt.num_latent_t = tc.data.num_latent_t;
   dopt.cfg_rate = tc.data.training_cfg_rate;
   dopt.seed = tc.data.seed;
-  impl_->dataset = data::ParquetDataset::open(tc.data.data_path[0].path, dopt);
+  std::vector<std::pair<std::string, int64_t>> sources;
+  for (const auto& src : tc.data.data_path) sources.emplace_back(src.path, src.repeat);
+  impl_->dataset = data::ParquetDataset::open_sources(sources, dopt);
   auto sopt = data::sampler_options_for_rank(impl_->dataset->size(), tc.data.train_batch_size, 1, 1, 0, tc.data.seed);
   impl_->loader = std::make_unique<data::PrefetchLoader>(impl_->dataset, data::DpSpBatchSampler(sopt), 2);
 
