@@ -19,6 +19,7 @@
 #include "vqad/train/config.h"
 #include "vqad/train/methods/dmd2.h"
 #include "vqad/train/trainer.h"
+#include "test_train_util.h"
 
 namespace fs = std::filesystem;
 using namespace vqad;
@@ -28,20 +29,11 @@ namespace {
 struct Dmd2Fixture : ::testing::Test {
   fs::path root;
   void SetUp() override {
-    root = fs::temp_directory_path() / ("vqad_dmd2_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(root);
-    data::SynthOptions so;
-    so.latent_t = 2;
-    so.latent_h = 4;
-    so.latent_w = 4;
-    so.text_dim = model::WanConfig::tiny().text_dim;
-    so.seed = 5;
-    data::write_synthetic_dataset((root / "data").string(), 12, so, data::WriterOptions{});
-    so.kind = data::DataKind::TextOnly;
-    data::write_synthetic_dataset((root / "text").string(), 12, so, data::WriterOptions{});
+    root = test_train::fresh_test_dir("vqad_dmd2");
+    test_train::write_tiny_dataset(root / "data", 12, 5);
+    test_train::write_tiny_dataset(root / "text", 12, 5, data::DataKind::TextOnly);
     io::save_safetensors((root / "neg.safetensors").string(),
-                         {{"negative_prompt", torch::randn({5, so.text_dim}) * 0.2}});
+                         {{"negative_prompt", torch::randn({5, model::WanConfig::tiny().text_dim}) * 0.2}});
   }
   void TearDown() override { fs::remove_all(root); }
 
@@ -76,11 +68,7 @@ struct Dmd2Fixture : ::testing::Test {
          "pipeline:\n  flow_shift: 3.0\n  dit_config:\n    quant_config: nvfp4_qat_train\n";
     return y;
   }
-  static train::TrainerOptions quiet() {
-    train::TrainerOptions o;
-    o.progress = false;
-    return o;
-  }
+  static train::TrainerOptions quiet() { return test_train::quiet(); }
 };
 
 std::map<std::string, torch::Tensor> role_weights(const fs::path& ckpt, const std::string& role) {

@@ -17,6 +17,7 @@
 #include "vqad/train/config.h"
 #include "vqad/train/metadata.h"
 #include "vqad/train/trainer.h"
+#include "test_train_util.h"
 
 namespace fs = std::filesystem;
 using namespace vqad;
@@ -26,16 +27,8 @@ namespace {
 struct TrainerFixture : ::testing::Test {
   fs::path root;
   void SetUp() override {
-    root = fs::temp_directory_path() / ("vqad_trainer_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(root);
-    data::SynthOptions so;
-    so.latent_t = 2;
-    so.latent_h = 4;
-    so.latent_w = 4;
-    so.text_dim = model::WanConfig::tiny().text_dim;
-    so.seed = 3;
-    data::write_synthetic_dataset((root / "data").string(), 12, so, data::WriterOptions{});
+    root = test_train::fresh_test_dir("vqad_trainer");
+    test_train::write_tiny_dataset(root / "data", 12, 3);
   }
   void TearDown() override { fs::remove_all(root); }
 
@@ -55,11 +48,7 @@ struct TrainerFixture : ::testing::Test {
     if (quant != "none") y += "pipeline:\n  dit_config:\n    quant_config: " + quant + "\n";
     return y;
   }
-  static train::TrainerOptions quiet() {
-    train::TrainerOptions o;
-    o.progress = false;
-    return o;
-  }
+  static train::TrainerOptions quiet() { return test_train::quiet(); }
 };
 
 std::vector<double> metric_losses(const fs::path& out) {

@@ -18,6 +18,7 @@
 #include "vqad/train/trainer.h"
 #include "vqad/train/sampling.h"
 #include "vqad/train/validation.h"
+#include "test_train_util.h"
 
 namespace fs = std::filesystem;
 using namespace vqad;
@@ -28,19 +29,9 @@ struct ValidationFixture : ::testing::Test {
   fs::path root;
   int64_t dim = model::WanConfig::tiny().text_dim;
   void SetUp() override {
-    root = fs::temp_directory_path() / ("vqad_validation_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(root);
-    data::SynthOptions so;
-    so.latent_t = 2;
-    so.latent_h = 4;
-    so.latent_w = 4;
-    so.text_dim = dim;
-    so.seed = 9;
-    data::write_synthetic_dataset((root / "data").string(), 8, so, data::WriterOptions{});
-    so.kind = data::DataKind::TextOnly;
-    so.seed = 10;
-    data::write_synthetic_dataset((root / "prompts_parquet").string(), 3, so, data::WriterOptions{});
+    root = test_train::fresh_test_dir("vqad_validation");
+    test_train::write_tiny_dataset(root / "data", 8, 9);
+    test_train::write_tiny_dataset(root / "prompts_parquet", 3, 10, data::DataKind::TextOnly);
     fs::create_directories(root / "prompts");
     nlohmann::json list = nlohmann::json::array();
     for (int i = 0; i < 2; ++i) {
@@ -62,11 +53,7 @@ struct ValidationFixture : ::testing::Test {
            "  loop:\n    max_train_steps: 4\n"
            "  checkpoint:\n    output_dir: " + out + "\n" + validation;
   }
-  static train::TrainerOptions quiet() {
-    train::TrainerOptions o;
-    o.progress = false;
-    return o;
-  }
+  static train::TrainerOptions quiet() { return test_train::quiet(); }
 };
 
 std::vector<double> losses(const fs::path& out) {

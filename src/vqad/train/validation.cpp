@@ -10,7 +10,7 @@
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/core/safetensors.h"
-#include "vqad/data/parquet_dataset.h"
+#include "vqad/data/text_embeddings.h"
 #include "vqad/io/tensors.h"
 #include "vqad/train/sampling.h"
 
@@ -23,17 +23,6 @@ constexpr const char* kKey = "callbacks.validation.dataset_file";
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-torch::Tensor padded(const torch::Tensor& t, int64_t text_len, int64_t text_dim, const std::string& where) {
-  VQAD_CHECK(t.dim() == 2 || (t.dim() == 3 && t.size(0) == 1), where,
-             ": expected a text embedding [L, D] or [1, L, D], found ", t.sizes());
-  auto e = (t.dim() == 3 ? t[0] : t).to(torch::kFloat32);
-  VQAD_CHECK(e.size(1) == text_dim, where, ": embedding width ", e.size(1), " != the model's text_dim ", text_dim);
-  auto out = torch::zeros({text_len, text_dim});
-  const int64_t n = std::min(text_len, e.size(0));
-  out.narrow(0, 0, n).copy_(e.narrow(0, 0, n));
-  return out;
 }
 }  // namespace
 
@@ -61,29 +50,12 @@ ValidationPrompts load_validation_prompts(const std::string& path, int64_t text_
                  "[L, ", text_dim, "] text embedding, or point dataset_file to a preprocessed parquet dataset)");
       fs::path ep = e["embedding"].get<std::string>();
       if (ep.is_relative()) ep = fs::path(path).parent_path() / ep;
-      VQAD_CHECK(fs::is_regular_file(ep), where, ": embedding file '", ep.string(), "' not found");
-      auto tensors = io::load_safetensors(ep.string());
-      VQAD_CHECK(tensors.size() == 1, where, ": '", ep.string(), "' must hold one tensor, found ", tensors.size());
-      texts.push_back(padded(tensors.begin()->second, text_len, text_dim, where));
+      texts.push_back(data::read_text_embedding_file(ep.string(), text_len, text_dim, where));
       p.captions.push_back(e.value("caption", std::string()));
     }
   } else {
-    data::DatasetOptions o;
-    o.kind = data::DataKind::TextOnly;
-    o.text_len = text_len;
-    o.text_dim = text_dim;
-    std::shared_ptr<data::ParquetDataset> ds;
-    try {
-      ds = data::ParquetDataset::open(path, o);
-    } catch (const Error& e) {
-      fail(kKey, " '", path, "': neither a .json prompt list nor a readable parquet dataset: ", e.what());
-    }
-    VQAD_CHECK(ds->size() > 0, kKey, " '", path, "': the dataset has no rows");
-    for (int64_t i = 0; i < ds->size(); ++i) {
-      auto s = ds->get(i);
-      texts.push_back(s.text.to(torch::kFloat32));
-      p.captions.push_back(s.caption);
-    }
+    auto rows = data::read_text_embedding_rows(path, text_len, text_dim, std::string(kKey) + " '" + path + "'");
+    return {rows.captions, rows.text};
   }
   p.text = torch::stack(texts);
   return p;

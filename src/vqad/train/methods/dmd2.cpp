@@ -6,56 +6,19 @@
 
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
-#include "vqad/io/tensors.h"
+#include "vqad/data/text_embeddings.h"
 
 namespace fs = std::filesystem;
 
 namespace vqad::train {
 
-namespace {
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-// [L, D] -> [1, text_len, D] fp32, zero-padded or cropped.
-torch::Tensor pad_text(torch::Tensor t, int64_t text_len, int64_t text_dim, const std::string& where) {
-  if (t.dim() == 3) {
-    VQAD_CHECK(t.size(0) == 1, where, ": expected one embedding [1, L, D], found batch ", t.size(0));
-    t = t[0];
-  }
-  VQAD_CHECK(t.dim() == 2, where, ": expected a text embedding [L, D] or [1, L, D], found ", t.dim(), " dims");
-  VQAD_CHECK(text_dim <= 0 || t.size(1) == text_dim, where, ": embedding width ", t.size(1),
-             " does not match the model's text_dim ", text_dim);
-  t = t.to(torch::kFloat32);
-  auto out = torch::zeros({1, text_len, t.size(1)}, torch::kFloat32);
-  const int64_t n = std::min(text_len, t.size(0));
-  out[0].narrow(0, 0, n).copy_(t.narrow(0, 0, n));
-  return out;
-}
-}  // namespace
-
 torch::Tensor load_negative_text(const std::string& path, int64_t text_len, int64_t text_dim) {
   const std::string where = "method.negative_prompt_embedding '" + path + "'";
   VQAD_CHECK(fs::exists(path), where, ": no such file or directory");
-  if (fs::is_regular_file(path) && ends_with(path, ".safetensors")) {
-    auto tensors = io::load_safetensors(path);
-    VQAD_CHECK(tensors.size() == 1, where, ": expected exactly one tensor, found ", tensors.size());
-    return pad_text(tensors.begin()->second, text_len, text_dim, where);
-  }
-  // A FastVideo-preprocessed parquet dataset (t2v or text_only) of the negative prompt.
-  data::DatasetOptions o;
-  o.kind = data::DataKind::TextOnly;
-  o.text_len = text_len;
-  o.text_dim = text_dim;
-  std::shared_ptr<data::ParquetDataset> ds;
-  try {
-    ds = data::ParquetDataset::open(path, o);
-  } catch (const Error& e) {
-    fail(where, ": neither a .safetensors file nor a readable parquet dataset: ", e.what());
-  }
-  VQAD_CHECK(ds->size() >= 1, where, ": the dataset has no rows");
-  auto s = ds->get(0);
-  return s.text.unsqueeze(0).to(torch::kFloat32);
+  if (fs::is_regular_file(path) && path.size() > 12 && path.compare(path.size() - 12, 12, ".safetensors") == 0)
+    return data::read_text_embedding_file(path, text_len, text_dim, where).unsqueeze(0);
+  // A preprocessed parquet dataset whose first row is the negative prompt.
+  return data::read_text_embedding_rows(path, text_len, text_dim, where).text.narrow(0, 0, 1);
 }
 
 Dmd2Method::Dmd2Method(const RunConfig& run, std::shared_ptr<Role> student, std::shared_ptr<Role> teacher,
@@ -91,7 +54,9 @@ Dmd2Method::Dmd2Method(const RunConfig& run, std::shared_ptr<Role> student, std:
   uncond_mode_ = cfg_.cfg_uncond ? cfg_.cfg_uncond->text : "negative_prompt";
   if (uncond_mode_ == "negative_prompt") {
     if (negative_text.defined()) {
-      negative_text_ = pad_text(negative_text.detach().cpu(), sc.text_len, sc.text_dim, "negative text embedding");
+      negative_text_ =
+          data::fit_text_embedding(negative_text.detach().cpu(), sc.text_len, sc.text_dim, "negative text embedding")
+              .unsqueeze(0);
     } else if (!cfg_.negative_prompt_embedding.empty()) {
       negative_text_ = load_negative_text(cfg_.negative_prompt_embedding, sc.text_len, sc.text_dim);
     } else if (cfg_.cfg_uncond && cfg_.cfg_uncond->on_missing == "ignore") {
