@@ -11,7 +11,10 @@
 // rounding by one magic-constant add, see e2m1_round_magnitude), BF16 outputs
 // packed two at a time. NaN and all-zero blocks take the general per-element
 // path (out of line). quantize+pack gathers the scale bytes of four blocks with
-// two warp shuffles and writes them (linear and 128x4-swizzled) as 32-bit words.
+// two warp shuffles and writes them (linear and 128x4-swizzled, 32-bit offsets
+// when they fit) as 32-bit words; for BF16 inputs each code comes out of the
+// magic-constant add as a byte (e2m1_code_byte), and the bytes and the BF16 sign
+// bits are placed into nibbles with byte permutes (pack8_bf16).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -73,6 +76,7 @@ struct BlockIndex {
   int64_t blocks_per_row = 1;
   int64_t total = 0;  // number of 16-element blocks
   bool use32 = true;
+  bool swz32 = false;  // quantize: use32 and the swizzled scale buffer has < 2^32 bytes
 };
 
 __device__ __forceinline__ void split_block(const BlockIndex& bi, int64_t blk, int64_t& row, int64_t& kb) {
@@ -312,6 +316,48 @@ __device__ __forceinline__ uint2 quantize_block_regular(const RawBlock<TIn>& r, 
   return make_uint2(lo, hi);
 }
 
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// e2m1_code_magnitude(|x * inv|) in the low byte of the result (bits 8.. are not
+// zero). The magic constant of e2m1_round_magnitude, C = 2^(22+j) for c in binade
+// j = 0, 1, 2 (c < 2, [2, 4), [4, 6]), gets 2j in its low mantissa bits:
+// C = ((e + 22) << 23) + 2 (e - 127) with e = max(exponent of c, 127), one
+// multiply-add. c + C rounds c onto the E2M1 grid (the offset is even, so ties to
+// even are unchanged) and its low bits count grid steps from 2j, which is the
+// code: 0..4 for j = 0, 2 + {2, 3, 4} for j = 1, 4 + {2, 3} for j = 2. Checked
+// equal to e2m1_code_magnitude on every non-negative float.
+__device__ __forceinline__ uint32_t e2m1_code_byte(float x, float inv) {
+  const float c = fminf(fabsf(mul_rn(x, inv)), 6.0f);
+  const uint32_t e = max(f2u(c) >> 23, 127u);
+  const uint32_t cb = e * 0x800002u + (0x0B000000u - 254u);
+  return f2u(add_rn(c, u2f(cb)));
+}
+
+// Eight codes (elements of words w[0..3], element 2i in the low nibble of byte i):
+// code bytes gathered with byte permutes, signs taken from the BF16 high bytes.
+__device__ __forceinline__ uint32_t pack8_bf16(const uint32_t* w, float inv) {
+  uint32_t t[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = e2m1_code_byte(u2f(w[i] << 16), inv);
+    t[2 * i + 1] = e2m1_code_byte(u2f(w[i] & 0xFFFF0000u), inv);
+  }
+  const uint32_t even = prmt(prmt(t[0], t[2], 0x0040u), prmt(t[4], t[6], 0x0040u), 0x5410u);
+  const uint32_t odd = prmt(prmt(t[1], t[3], 0x0040u), prmt(t[5], t[7], 0x0040u), 0x5410u);
+  const uint32_t h01 = prmt(w[0], w[1], 0x7351u), h23 = prmt(w[2], w[3], 0x7351u);
+  const uint32_t s_even = prmt(h01, h23, 0x5410u);  // byte i: high byte of element 2i
+  const uint32_t s_odd = prmt(h01, h23, 0x7632u);   // byte i: high byte of element 2i + 1
+  return ((odd << 4) + even) | (s_odd & 0x80808080u) | ((s_even >> 4) & 0x08080808u);
+}
+
+__device__ __forceinline__ uint2 quantize_block_regular(const RawBlock<uint16_t>& r, float inv) {
+  return make_uint2(pack8_bf16(r.w, inv), pack8_bf16(r.w + 4, inv));
+}
+
 // --- kernels ---------------------------------------------------------------------------
 // A CTA-uniform `tile` walks the flat block index; thread t of the CTA takes blocks
 // tile + j * kThreads + t, j < kB: a warp's loads for one j are 32 consecutive blocks,
@@ -357,6 +403,20 @@ __global__ void __launch_bounds__(kThreads)
 
 __device__ __forceinline__ int64_t swizzled_offset(int64_t row, int64_t k, int64_t col_tiles) {
   return ((row >> 7) * col_tiles + (k >> 2)) * 512 + (row & 31) * 16 + ((row & 127) >> 5) * 4 + (k & 3);
+}
+
+// Byte offset of the swizzled scale of block blk (row, k).
+__device__ __forceinline__ int64_t swizzled_block_offset(const BlockIndex& bi, int64_t blk, int64_t col_tiles) {
+  if (bi.swz32) {
+    const uint32_t b = static_cast<uint32_t>(blk);
+    const uint32_t row = bi.div32.div(b);
+    const uint32_t k = b - row * static_cast<uint32_t>(bi.blocks_per_row);
+    return ((row >> 7) * static_cast<uint32_t>(col_tiles) + (k >> 2)) * 512u + (row & 31u) * 16u +
+           ((row >> 5) & 3u) * 4u + (k & 3u);
+  }
+  int64_t row, k;
+  split_block(bi, blk, row, k);
+  return swizzled_offset(row, k, col_tiles);
 }
 
 // kGroup4: blocks_per_row % 4 == 0 and 4-byte aligned scale outputs, so the scale
@@ -406,19 +466,11 @@ __global__ void __launch_bounds__(kThreads)
         bits |= __shfl_down_sync(0xFFFFFFFFu, bits, 2) << 16;
         if (active && (lane & 3) == 0) {
           if (scales) *reinterpret_cast<uint32_t*>(scales + blk) = bits;
-          if (swizzled) {
-            int64_t row, k;
-            split_block(bi, blk, row, k);
-            *reinterpret_cast<uint32_t*>(swizzled + swizzled_offset(row, k, col_tiles)) = bits;
-          }
+          if (swizzled) *reinterpret_cast<uint32_t*>(swizzled + swizzled_block_offset(bi, blk, col_tiles)) = bits;
         }
       } else if (active) {
         if (scales) scales[blk] = static_cast<uint8_t>(bits);
-        if (swizzled) {
-          int64_t row, k;
-          split_block(bi, blk, row, k);
-          swizzled[swizzled_offset(row, k, col_tiles)] = static_cast<uint8_t>(bits);
-        }
+        if (swizzled) swizzled[swizzled_block_offset(bi, blk, col_tiles)] = static_cast<uint8_t>(bits);
       }
     }
   }
@@ -751,8 +803,9 @@ void launch_quantize(const TensorView& x, EncodeScale scale, const QuantizeOutpu
       VQAD_CUDA_CHECK(cudaMemsetAsync(out.scales_swizzled + from, 0, sz - from, stream));
     }
   }
-  const BlockIndex bi = block_index(rows, cols);
+  BlockIndex bi = block_index(rows, cols);
   if (bi.total == 0) return;
+  bi.swz32 = bi.use32 && swizzled_size(rows, scale_cols) < (int64_t{1} << 32);
   const TensorView* views[1] = {&x};
   RowMap xm;
   row_maps(views, 1, &xm);
