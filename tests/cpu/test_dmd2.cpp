@@ -389,3 +389,21 @@ TEST_F(Dmd2Fixture, ValidationSamplesWithTheDmdSampler) {
   EXPECT_NE(meta.at("sampler").find("dmd, timesteps [1000.0,700.0]"), std::string::npos) << meta.at("sampler");
   EXPECT_FALSE(fs::exists(out / "validation" / "step-0"));
 }
+
+// warp_denoising_step maps each step s to the student grid's timestep at index 1000 - s.
+TEST_F(Dmd2Fixture, WarpedDenoisingStepsFollowTheStudentGrid) {
+  const auto out = (root / "warp").string();
+  auto run = train::parse_run_config(yaml(out), {"--method.warp_denoising_step", "true",
+                                                 "--method.dmd_denoising_steps", "[1000, 757, 522]"});
+  train::Trainer trainer(run, quiet());
+  const auto& g = trainer.roles().at("student")->grid;
+  train::Dmd2Method m(run, trainer.roles().at("student"), trainer.roles().at("teacher"), trainer.roles().at("critic"));
+  EXPECT_EQ(m.denoising_steps(), (std::vector<double>{g.timestep(0), g.timestep(243), g.timestep(478)}));
+  // Shift 3: index 243 is s = 0.757 -> sigma = 3 s / (1 + 2 s) = 0.9034.
+  EXPECT_NEAR(m.denoising_steps()[1], 1000.0 * 3 * 0.757 / (1 + 2 * 0.757), 1e-9);
+  // Fractional steps cannot be warped.
+  auto bad = train::parse_run_config(yaml(out), {"--method.warp_denoising_step", "true"});
+  EXPECT_THROW(train::Dmd2Method(bad, trainer.roles().at("student"), trainer.roles().at("teacher"),
+                                 trainer.roles().at("critic")),
+               Error);
+}
