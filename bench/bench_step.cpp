@@ -8,13 +8,16 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cctype>
 #include <cmath>
+#include <filesystem>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "bench/bench_profile.h"
 #include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
 #include "vqad/core/attention_backend.h"
@@ -45,6 +48,7 @@ struct StepBenchOptions {
   double lr = 1e-5;
   uint64_t seed = 0;
   std::string out_dir = "bench_out";
+  std::string profile_dir;  // non-empty: one extra step per configuration under the profiler
 };
 
 struct StepConfig {
@@ -226,6 +230,18 @@ StepResult run_config(const StepConfig& sc, const StepBenchOptions& o, const tor
   for (int i = 0; i < o.steps; ++i) step(o.warmup + i, true);
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(di);
   r.peak_gib = static_cast<double>(stats.allocated_bytes[0].peak) / double(1ull << 30);
+  if (!o.profile_dir.empty()) {
+    // One more step under the profiler (after the timed ones, so the timings are clean).
+    std::filesystem::create_directories(o.profile_dir);
+    std::string tag = sc.label();
+    for (char& ch : tag)
+      if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+    const std::string trace = (std::filesystem::path(o.profile_dir) / ("step_" + tag + ".trace.json")).string();
+    const auto prof = bench::profile_once([&] { step(o.warmup + o.steps, false); }, true, trace);
+    std::printf("[%s] profile of one step (trace: %s)\n%s", sc.label().c_str(), trace.c_str(),
+                bench::profile_table(prof, 25).c_str());
+    std::fflush(stdout);
+  }
   // Release this configuration's model, optimizer state and cached blocks before
   // the next one is built, so each peak is its own.
   in = Inputs{};
@@ -353,6 +369,9 @@ void register_bench_step_commands(CLI::App& app) {
   sub->add_option("--lr", opts->lr, "AdamW learning rate")->capture_default_str();
   sub->add_option("--seed", opts->seed, "weights and inputs seed")->capture_default_str();
   sub->add_option("--out", opts->out_dir, "directory for step.json")->capture_default_str();
+  sub->add_option("--profile", opts->profile_dir,
+                  "also run one step per configuration under the profiler: GPU time per kernel category and "
+                  "the longest kernels, Chrome trace in this directory");
   set_action(sub, [opts] { return run_bench(*opts); });
 }
 
