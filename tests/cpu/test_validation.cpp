@@ -11,6 +11,7 @@
 #include "vqad/core/error.h"
 #include "vqad/core/metrics.h"
 #include "vqad/data/synthetic.h"
+#include "vqad/core/png.h"
 #include "vqad/io/tensors.h"
 #include "vqad/model/wan/config.h"
 #include "vqad/model/wan/model.h"
@@ -86,6 +87,10 @@ TEST_F(ValidationFixture, SftWritesSamplesAtStartAndEveryNStepsWithoutChangingTr
     EXPECT_NE(meta.at("sampler").find("euler, 4 steps"), std::string::npos) << meta.at("sampler");
   }
   EXPECT_FALSE(fs::exists(with / "validation" / "step-1"));
+  // The preview grid: 2 prompts x 2 frames of 4 x 4 latent pixels, each repeated 12 times.
+  auto grid = png::read((with / "validation" / "step-4" / "grid.png").string());
+  EXPECT_EQ(grid.width, 2 * 4 * 12);
+  EXPECT_EQ(grid.height, 2 * 4 * 12);
   // The samples change as the model trains.
   auto a = io::load_safetensors((with / "validation" / "step-0" / "samples.safetensors").string()).at("latents");
   auto b = io::load_safetensors((with / "validation" / "step-4" / "samples.safetensors").string()).at("latents");
@@ -137,4 +142,40 @@ TEST_F(ValidationFixture, ParquetPromptsAndErrors) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("missing.json"), std::string::npos) << e.what();
   }
+}
+
+TEST(Png, WriteReadRoundTripAndGridPixels) {
+  png::Image img(300, 260);  // > 65535 bytes of scanlines: several stored blocks
+  for (int y = 0; y < img.height; ++y)
+    for (int x = 0; x < img.width; ++x) {
+      uint8_t* p = img.at(x, y);
+      p[0] = uint8_t(x), p[1] = uint8_t(y), p[2] = uint8_t(x ^ y);
+    }
+  const auto path = (fs::temp_directory_path() / ("vqad_png_" + std::to_string(::getpid()) + ".png")).string();
+  png::write(path, img);
+  auto back = png::read(path);
+  EXPECT_EQ(back.width, 300);
+  EXPECT_EQ(back.height, 260);
+  EXPECT_EQ(back.rgb, img.rgb);
+  // The standard CRC-32 check value.
+  const std::string check = "123456789";
+  EXPECT_EQ(png::crc32(reinterpret_cast<const uint8_t*>(check.data()), check.size()), 0xCBF43926u);
+  // A flipped byte fails the CRC.
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(40);
+    f.put('\x55');
+  }
+  EXPECT_THROW(png::read(path), Error);
+  fs::remove(path);
+  // Grid: min-max per sample over channels 0-2; sample 0's smallest value maps to 0, largest to 255.
+  auto lat = torch::zeros({1, 16, 1, 2, 2});
+  lat[0][0][0][0][0] = -1.0;
+  lat[0][1][0][1][1] = 3.0;
+  auto g = train::latent_grid(lat);
+  EXPECT_EQ(g.width, 48);
+  EXPECT_EQ(g.height, 48);
+  EXPECT_EQ(g.at(0, 0)[0], 0);       // -1 -> 0
+  EXPECT_EQ(g.at(47, 47)[1], 255);   // 3 -> 255
+  EXPECT_EQ(g.at(47, 0)[2], 64);     // 0 -> 255 / 4 = 63.75 -> 64
 }

@@ -9,6 +9,7 @@
 
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
+#include "vqad/core/png.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/data/text_embeddings.h"
 #include "vqad/io/tensors.h"
@@ -25,6 +26,28 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 }  // namespace
+
+png::Image latent_grid(const torch::Tensor& latents) {
+  VQAD_CHECK(latents.dim() == 5 && latents.size(1) >= 3, "latent grid: expected [N, C>=3, T, H, W], found ",
+             latents.sizes());
+  const int64_t N = latents.size(0), T = latents.size(2), H = latents.size(3), W = latents.size(4);
+  const int64_t k = std::max<int64_t>(1, 48 / std::max<int64_t>(1, std::min(H, W)));  // cells >= 48 px
+  png::Image img(static_cast<int>(T * W * k), static_cast<int>(N * H * k));
+  for (int64_t n = 0; n < N; ++n) {
+    auto rgb = latents[n].narrow(0, 0, 3).to(torch::kFloat32).contiguous();  // [3, T, H, W]
+    const float lo = rgb.min().item<float>(), hi = rgb.max().item<float>();
+    const float scale = hi > lo ? 255.0f / (hi - lo) : 0.0f;
+    auto a = rgb.accessor<float, 4>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t y = 0; y < H * k; ++y)
+        for (int64_t x = 0; x < W * k; ++x) {
+          uint8_t* px = img.at(static_cast<int>(t * W * k + x), static_cast<int>(n * H * k + y));
+          for (int c = 0; c < 3; ++c)
+            px[c] = static_cast<uint8_t>(std::lround((a[c][t][y / k][x / k] - lo) * scale));
+        }
+  }
+  return img;
+}
 
 ValidationPrompts load_validation_prompts(const std::string& path, int64_t text_len, int64_t text_dim) {
   VQAD_CHECK(fs::exists(path), kKey, " '", path, "': no such file or directory");
@@ -122,6 +145,7 @@ std::map<std::string, double> ValidationRunner::run(long step) {
   nlohmann::json caps = prompts_.captions;
   io::save_safetensors((dir / "samples.safetensors").string(), {{"latents", latents}},
                        {{"captions", caps.dump()}, {"sampler", sampler}, {"step", std::to_string(step)}});
+  png::write((dir / "grid.png").string(), latent_grid(latents));
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   nlohmann::json summary{{"step", step},
                          {"sampler", sampler},
@@ -129,6 +153,8 @@ std::map<std::string, double> ValidationRunner::run(long step) {
                          {"latent_shape", shape_},
                          {"latent_std", latents.std().item<double>()},
                          {"finite", torch::isfinite(latents).all().item<bool>()},
+                         {"grid", "grid.png: rows = prompts, columns = latent frames; latent channels 0-2 "
+                                  "min-max scaled per sample (a preview, not a VAE decode)"},
                          {"seconds", secs}};
   const std::string text_summary = summary.dump(2) + "\n";
   st::write_file_atomic((dir / "summary.json").string(), {text_summary});

@@ -3,7 +3,7 @@
 // prompts and the latents are written to
 //   <output_dir>/validation/step-<k>/samples.safetensors
 // (one F32 tensor "latents" [N, 16, T, H, W], captions in the file's metadata) with a
-// summary.json. vqad has no VAE or text encoder: decoding to video is left to the user,
+// summary.json and grid.png (a latent preview, see latent_grid). vqad has no VAE or text encoder: decoding to video is left to the user,
 // and the prompts come with precomputed text embeddings:
 //   - a parquet dataset (t2v or text_only schema; its text embeddings and captions), or
 //   - a JSON file: {"data": [{"caption": "...", "embedding": "neg.safetensors"}, ...]}
@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "vqad/core/png.h"
 #include "vqad/train/config.h"
 #include "vqad/train/roles.h"
 
@@ -33,6 +34,10 @@ struct ValidationPrompts {
   std::vector<std::string> captions;
   torch::Tensor text;  // [N, text_len, D] fp32
 };
+
+// A preview grid of latents [N, C, T, H, W]: rows = samples, columns = frames, channels
+// 0-2 min-max scaled per sample to RGB, each latent pixel repeated so a cell is >= 48 px.
+png::Image latent_grid(const torch::Tensor& latents);
 
 // Reads validation prompts (see above); errors name callbacks.validation.dataset_file.
 ValidationPrompts load_validation_prompts(const std::string& path, int64_t text_len, int64_t text_dim);
