@@ -10,14 +10,15 @@
 
 #include "vqad/core/error.h"
 #include "vqad/core/metrics.h"
-#include "vqad/data/synthetic.h"
+#include "vqad/core/plot.h"
 #include "vqad/core/png.h"
+#include "vqad/data/synthetic.h"
 #include "vqad/io/tensors.h"
 #include "vqad/model/wan/config.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/train/config.h"
-#include "vqad/train/trainer.h"
 #include "vqad/train/sampling.h"
+#include "vqad/train/trainer.h"
 #include "vqad/train/validation.h"
 #include "test_train_util.h"
 
@@ -178,4 +179,25 @@ TEST(Png, WriteReadRoundTripAndGridPixels) {
   EXPECT_EQ(g.at(0, 0)[0], 0);       // -1 -> 0
   EXPECT_EQ(g.at(47, 47)[1], 255);   // 3 -> 255
   EXPECT_EQ(g.at(47, 0)[2], 64);     // 0 -> 255 / 4 = 63.75 -> 64
+}
+
+// `vqad plot`: the run's loss metrics as a PNG with one panel per metric.
+TEST_F(ValidationFixture, PlotCommandRendersTheLossPanels) {
+  const auto out = root / "run";
+  train::Trainer(train::parse_run_config(sft_yaml(out.string(), "")), quiet()).run();
+  const std::string cmd = std::string(VQAD_BINARY) + " plot " + out.string() + " > " + (root / "plot.log").string() +
+                          " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  auto img = png::read((out / "loss.png").string());
+  EXPECT_EQ(img.width, 900);
+  EXPECT_EQ(img.height, 220);  // one metric with "loss" in its name in an sft run
+  // Not blank: some pixels carry the series colour.
+  int coloured = 0;
+  for (size_t i = 0; i + 2 < img.rgb.size(); i += 3) coloured += img.rgb[i] != img.rgb[i + 2];
+  EXPECT_GT(coloured, 50);
+  EXPECT_NE(std::system((std::string(VQAD_BINARY) + " plot " + out.string() + " --keys nope > /dev/null 2>&1").c_str()),
+            0);
+  EXPECT_EQ(vqad::plot::tick_text(0.000123), "0.000123");
+  EXPECT_EQ(vqad::plot::tick_text(1.5e-7), "1.5e-7");
+  EXPECT_EQ(vqad::plot::tick_text(2500), "2.5e3");
 }

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   vqad::cli::register_version_commands(app);
   vqad::cli::register_train_commands(app);
+  vqad::cli::register_plot_commands(app);
   vqad::cli::register_config_commands(app);
   vqad::cli::register_op_attention_commands(app);
   vqad::cli::register_nvfp4_commands(app);
