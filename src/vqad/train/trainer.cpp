@@ -137,7 +137,9 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   VQAD_CHECK(!tc.checkpoint.output_dir.empty(), "training.checkpoint.output_dir is empty (where should checkpoints go?)");
   VQAD_CHECK(tc.loop.max_train_steps > 0, "training.loop.max_train_steps must be > 0, found ", tc.loop.max_train_steps);
   VQAD_CHECK(tc.distributed.num_gpus == 1, "training.distributed.num_gpus = ", tc.distributed.num_gpus,
-             ": this vqad build trains on one device (multi-GPU sharding is not available yet)");
+             ": this vqad build trains on one device (multi-GPU sharding is not available yet); run the recipe "
+             "on one GPU with --training.distributed.num_gpus 1 --training.distributed.sp_size 1 "
+             "--training.distributed.hsdp_replicate_dim 1 --training.distributed.hsdp_shard_dim 1");
   VQAD_CHECK(!tc.data.data_path.empty(), "training.data.data_path: no dataset path given");
   VQAD_CHECK(tc.dit_precision == "fp32", "training.dit_precision: vqad keeps FP32 master weights (found '",
              tc.dit_precision, "')");
