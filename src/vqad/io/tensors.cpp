@@ -118,11 +118,8 @@ ShardedLayout resolve_sharded(const std::string& index_json_or_dir) {
     std::vector<fs::path> indexes, singles;
     for (const auto& e : fs::directory_iterator(p)) {
       std::string fname = e.path().filename().string();
-      auto ends_with = [&](const std::string& s) {
-        return fname.size() >= s.size() && fname.compare(fname.size() - s.size(), s.size(), s) == 0;
-      };
-      if (ends_with(".safetensors.index.json")) indexes.push_back(e.path());
-      else if (ends_with(".safetensors")) singles.push_back(e.path());
+      if (fname.ends_with(".safetensors.index.json")) indexes.push_back(e.path());
+      else if (fname.ends_with(".safetensors")) singles.push_back(e.path());
     }
     if (indexes.size() == 1) {
       p = indexes[0];

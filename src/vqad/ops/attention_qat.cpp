@@ -5,39 +5,30 @@
 #include "vqad/core/error.h"
 #include "vqad/numerics/attention_qat_ref.h"
 #include "vqad/ops/attention_qat_cuda.h"
+#include "vqad/ops/tensor_text.h"
 
 namespace vqad::ops {
 namespace {
 
 namespace ref = vqad::attn_qat_ref;
 
-std::string shape_str(const torch::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-
-std::string describe(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  return "q " + shape_str(q) + ", k " + shape_str(k) + ", v " + shape_str(v);
-}
-
 void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                   const AttnQatOptions& opts) {
   const char* what = "attention_qat (ATTN_QAT_TRAIN)";
   VQAD_CHECK(q.defined() && k.defined() && v.defined(), what, ": q, k and v must be defined");
   VQAD_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, what,
-             ": expected q [B, Lq, H, D] and k, v [B, Lkv, H, D], found ", describe(q, k, v));
+             ": expected q [B, Lq, H, D] and k, v [B, Lkv, H, D], found ", describe_qkv(q, k, v));
   VQAD_CHECK(k.sizes() == v.sizes(), what, ": k and v must have the same shape, found ",
-             describe(q, k, v));
+             describe_qkv(q, k, v));
   VQAD_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3), what,
-             ": q and k/v must agree in batch, heads and head_dim, found ", describe(q, k, v));
+             ": q and k/v must agree in batch, heads and head_dim, found ", describe_qkv(q, k, v));
   VQAD_CHECK(q.size(0) >= 1 && q.size(1) >= 1 && k.size(1) >= 1 && q.size(2) >= 1, what,
-             ": empty attention is not supported, found ", describe(q, k, v));
+             ": empty attention is not supported, found ", describe_qkv(q, k, v));
   VQAD_CHECK(q.size(3) % 16 == 0 && q.size(3) > 0, what,
              ": head_dim must be a multiple of 16 (NVFP4 blocks along D), found ", q.size(3));
   for (const auto* t : {&q, &k, &v}) {
     VQAD_CHECK(t->is_floating_point(), what, ": expected floating-point q, k, v, found dtype ",
-               t->scalar_type(), " (", describe(q, k, v), ")");
+               t->scalar_type(), " (", describe_qkv(q, k, v), ")");
   }
   VQAD_CHECK(q.device() == k.device() && q.device() == v.device(), what,
              ": q, k and v must be on one device, found ", q.device(), ", ", k.device(), ", ",
@@ -78,7 +69,7 @@ ref::Dims dims_of(const torch::Tensor& q, const torch::Tensor& k) {
 [[noreturn]] void no_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const char* why) {
   fail("attention_qat (ATTN_QAT_TRAIN): no kernel for device ", q.device(), " (", why,
-       "), shape ", describe(q, k, v),
+       "), shape ", describe_qkv(q, k, v),
        "; ATTN_QAT_TRAIN never falls back to another attention path");
 }
 
@@ -94,6 +85,17 @@ class AttnQatFunction : public torch::autograd::Function<AttnQatFunction> {
     opts.quant_qk = quant_qk;
     opts.bwd_mode = fastvideo_bwd ? AttnQatBwdMode::kFastVideo : AttnQatBwdMode::kConsistent;
     check_inputs(q, k, v, opts);
+    // What backward needs besides the saved tensors (both device paths).
+    auto save_options = [&] {
+      ctx->saved_data["block_n"] = block_n;
+      ctx->saved_data["quant_p"] = quant_p;
+      ctx->saved_data["quant_v"] = quant_v;
+      ctx->saved_data["quant_qk"] = quant_qk;
+      ctx->saved_data["fastvideo_bwd"] = fastvideo_bwd;
+      ctx->saved_data["q_dtype"] = static_cast<int64_t>(q.scalar_type());
+      ctx->saved_data["k_dtype"] = static_cast<int64_t>(k.scalar_type());
+      ctx->saved_data["v_dtype"] = static_cast<int64_t>(v.scalar_type());
+    };
 
     if (q.device().is_cpu()) {
       torch::Tensor q32 = as_bf16_valued_float(q);
@@ -108,14 +110,7 @@ class AttnQatFunction : public torch::autograd::Function<AttnQatFunction> {
       ref::forward(d, cview(q32), cview(k32), cview(v32), to_ref(opts), view(o), view(o_hp),
                    m.data_ptr<float>(), l.data_ptr<float>());
       ctx->save_for_backward({q32, k32, v32, o_hp, m, l});
-      ctx->saved_data["block_n"] = block_n;
-      ctx->saved_data["quant_p"] = quant_p;
-      ctx->saved_data["quant_v"] = quant_v;
-      ctx->saved_data["quant_qk"] = quant_qk;
-      ctx->saved_data["fastvideo_bwd"] = fastvideo_bwd;
-      ctx->saved_data["q_dtype"] = static_cast<int64_t>(q.scalar_type());
-      ctx->saved_data["k_dtype"] = static_cast<int64_t>(k.scalar_type());
-      ctx->saved_data["v_dtype"] = static_cast<int64_t>(v.scalar_type());
+      save_options();
       return o.to(q.scalar_type());
     }
 #ifdef VQAD_WITH_TORCH_CUDA
@@ -124,14 +119,7 @@ class AttnQatFunction : public torch::autograd::Function<AttnQatFunction> {
       // unsupported devices and shapes rather than substitute dense attention.
       AttnQatCudaForward r = attention_qat_cuda_forward(q, k, v, opts);
       ctx->save_for_backward({r.q_hat, r.k_hat, r.v_hat, r.o_hp, r.m, r.l});
-      ctx->saved_data["block_n"] = block_n;
-      ctx->saved_data["quant_p"] = quant_p;
-      ctx->saved_data["quant_v"] = quant_v;
-      ctx->saved_data["quant_qk"] = quant_qk;
-      ctx->saved_data["fastvideo_bwd"] = fastvideo_bwd;
-      ctx->saved_data["q_dtype"] = static_cast<int64_t>(q.scalar_type());
-      ctx->saved_data["k_dtype"] = static_cast<int64_t>(k.scalar_type());
-      ctx->saved_data["v_dtype"] = static_cast<int64_t>(v.scalar_type());
+      save_options();
       return r.o;
     }
 #endif

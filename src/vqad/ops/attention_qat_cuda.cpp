@@ -13,6 +13,7 @@
 #include "vqad/core/error.h"
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/attention/attention_qat_bwd.h"
+#include "vqad/ops/tensor_text.h"
 
 namespace vqad::ops {
 namespace {
@@ -21,16 +22,6 @@ namespace ka = vqad::kernels::attention;
 namespace kb = vqad::kernels;
 
 constexpr const char* kOp = "attention_qat (ATTN_QAT_TRAIN, CUDA)";
-
-std::string shape_str(const torch::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-
-std::string describe(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  return "q " + shape_str(q) + ", k " + shape_str(k) + ", v " + shape_str(v);
-}
 
 std::string device_str(const torch::Tensor& t) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.get_device());
@@ -51,7 +42,7 @@ void check_device(const torch::Tensor& q, const std::string& shapes) {
 
 void check_supported(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const AttnQatOptions& opts) {
-  const std::string shapes = describe(q, k, v);
+  const std::string shapes = describe_qkv(q, k, v);
   VQAD_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), kOp, ": expected CUDA tensors, found ",
              q.device(), ", ", k.device(), ", ", v.device(), " (", shapes, ")");
   VQAD_CHECK(q.device() == k.device() && q.device() == v.device(), kOp,
@@ -120,7 +111,7 @@ AttnQatCudaForward attention_qat_cuda_forward(const torch::Tensor& q, const torc
   check_supported(q, k, v, opts);
   const c10::cuda::CUDAGuard guard(q.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(q.get_device()).stream();
-  const std::string context = describe(q, k, v) + " on " + device_str(q);
+  const std::string context = describe_qkv(q, k, v) + " on " + device_str(q);
 
   const torch::Tensor qb = as_kernel_operand(q);
   const torch::Tensor kb16 = as_kernel_operand(k);
@@ -190,7 +181,7 @@ AttnQatCudaGrads attention_qat_cuda_backward(const torch::Tensor& d_o, const tor
                                              const torch::Tensor& l, const AttnQatOptions& opts,
                                              torch::ScalarType q_dtype, torch::ScalarType k_dtype,
                                              torch::ScalarType v_dtype) {
-  const std::string shapes = describe(q_hat, k_hat, v_hat);
+  const std::string shapes = describe_qkv(q_hat, k_hat, v_hat);
   VQAD_CHECK(d_o.defined() && d_o.sizes() == o_hp.sizes(), kOp, ": backward expected dO of shape ",
              shape_str(o_hp), ", found ", d_o.defined() ? shape_str(d_o) : std::string("undefined"));
   VQAD_CHECK(d_o.is_cuda() && d_o.device() == q_hat.device(), kOp, ": backward expected dO on ",

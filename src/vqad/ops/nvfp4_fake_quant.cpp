@@ -92,21 +92,26 @@ torch::Tensor cpu_fake_quant(const torch::Tensor& x, ScaleMode mode, float s_enc
   return y.to(x.scalar_type());
 }
 
-Nvfp4Quantized cpu_quantize(const torch::Tensor& x, ScaleMode mode, float s_enc) {
-  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
-  const float se = cpu_encode_scale(xf, mode, s_enc);
+// Outputs of nvfp4_quantize for x (packed codes, both scale layouts, s_enc), on x's device.
+Nvfp4Quantized empty_quantized(const torch::Tensor& x, float se) {
   const int64_t K = x.size(-1), rows = x.numel() / std::max<int64_t>(K, 1), scale_cols = K / 16;
-  auto lead = x.sizes().vec();
-  lead.pop_back();
-  auto codes_shape = lead, scales_shape = lead;
-  codes_shape.push_back(K / 2);
-  scales_shape.push_back(scale_cols);
+  auto codes_shape = x.sizes().vec(), scales_shape = x.sizes().vec();
+  codes_shape.back() = K / 2;
+  scales_shape.back() = scale_cols;
   Nvfp4Quantized q;
-  const auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
+  const auto u8 = x.options().dtype(torch::kUInt8);
   q.packed_codes = torch::empty(codes_shape, u8);
   q.scales = torch::empty(scales_shape, u8);
   q.scales_swizzled = torch::empty({nvfp4::swizzled_scales_size(rows, scale_cols)}, u8);
   q.s_enc = torch::tensor(se, torch::TensorOptions().dtype(torch::kFloat));
+  return q;
+}
+
+Nvfp4Quantized cpu_quantize(const torch::Tensor& x, ScaleMode mode, float s_enc) {
+  const torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  const float se = cpu_encode_scale(xf, mode, s_enc);
+  const int64_t K = x.size(-1), rows = x.numel() / std::max<int64_t>(K, 1), scale_cols = K / 16;
+  Nvfp4Quantized q = empty_quantized(x, se);
   const float* px = xf.data_ptr<float>();
   uint8_t* pc = q.packed_codes.data_ptr<uint8_t>();
   uint8_t* ps = q.scales.data_ptr<uint8_t>();
@@ -177,18 +182,7 @@ Nvfp4Quantized cuda_quantize(const torch::Tensor& x, ScaleMode mode, float s_enc
     // Export and tools path: one sync to report s_enc on the host is fine here.
     se = nvfp4::encode_scale_from_amax(cuda_amax(xk, stream).item<float>());
   }
-  const int64_t K = x.size(-1), rows = x.numel() / std::max<int64_t>(K, 1), scale_cols = K / 16;
-  auto lead = x.sizes().vec();
-  lead.pop_back();
-  auto codes_shape = lead, scales_shape = lead;
-  codes_shape.push_back(K / 2);
-  scales_shape.push_back(scale_cols);
-  Nvfp4Quantized q;
-  const auto u8 = x.options().dtype(torch::kUInt8);
-  q.packed_codes = torch::empty(codes_shape, u8);
-  q.scales = torch::empty(scales_shape, u8);
-  q.scales_swizzled = torch::empty({nvfp4::swizzled_scales_size(rows, scale_cols)}, u8);
-  q.s_enc = torch::tensor(se, torch::TensorOptions().dtype(torch::kFloat));
+  Nvfp4Quantized q = empty_quantized(x, se);
   kn::QuantizeOutputs out;
   out.packed_codes = q.packed_codes.data_ptr<uint8_t>();
   out.scales_linear = q.scales.data_ptr<uint8_t>();

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "vqad/core/error.h"
+#include "vqad/ops/tensor_text.h"
 
 #ifdef VQAD_WITH_TORCH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -23,12 +24,6 @@ namespace {
 using nvfp4::ScaleMode;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-std::string shape_str(const torch::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
 
 // Encode scale of the activation for the static and unit modes (dynamic is computed
 // from the data); `what` names the op in errors.

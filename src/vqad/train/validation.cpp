@@ -21,10 +21,6 @@ namespace vqad::train {
 
 namespace {
 constexpr const char* kKey = "callbacks.validation.dataset_file";
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 }  // namespace
 
 png::Image latent_grid(const torch::Tensor& latents) {
@@ -53,7 +49,7 @@ ValidationPrompts load_validation_prompts(const std::string& path, int64_t text_
   VQAD_CHECK(fs::exists(path), kKey, " '", path, "': no such file or directory");
   ValidationPrompts p;
   std::vector<torch::Tensor> texts;
-  if (ends_with(path, ".json")) {
+  if (path.ends_with(".json")) {
     std::ifstream f(path);
     nlohmann::json j;
     try {

@@ -8,6 +8,7 @@
 #include "vqad/core/error.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/io/tensors.h"
+#include "vqad/ops/tensor_text.h"
 
 namespace vqad::model {
 namespace fs = std::filesystem;
@@ -25,12 +26,6 @@ bool is_shard_name(const std::string& n) {
 bool is_gate_compress_key(const std::string& k) {
   static const std::regex re(R"(blocks\.\d+\.to_gate_compress\.(weight|bias))");
   return std::regex_match(k, re);
-}
-
-std::string shape_str(c10::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
 }
 
 // At most `limit` lines, then a count of the rest.
@@ -146,13 +141,13 @@ void load_weights(WanModel& model, const WeightState& state) {
       if (is_gate_compress_key(key)) {
         zeroed.push_back(key);
       } else {
-        missing.push_back(key + " (expected " + shape_str(item.value().sizes()) + ")");
+        missing.push_back(key + " (expected " + ops::shape_str(item.value().sizes()) + ")");
       }
       continue;
     }
     if (it->second.sizes() != item.value().sizes())
-      misshaped.push_back(key + ": expected " + shape_str(item.value().sizes()) + ", found " +
-                          shape_str(it->second.sizes()) + " in " + origin(key));
+      misshaped.push_back(key + ": expected " + ops::shape_str(item.value().sizes()) + ", found " +
+                          ops::shape_str(it->second.sizes()) + " in " + origin(key));
     else if (!it->second.is_floating_point())
       bad_dtype.push_back(key + ": expected a floating dtype, found " +
                           std::string(c10::toString(it->second.scalar_type())) + " in " + origin(key));

@@ -15,7 +15,7 @@ namespace vqad::train {
 torch::Tensor load_negative_text(const std::string& path, int64_t text_len, int64_t text_dim) {
   const std::string where = "method.negative_prompt_embedding '" + path + "'";
   VQAD_CHECK(fs::exists(path), where, ": no such file or directory");
-  if (fs::is_regular_file(path) && path.size() > 12 && path.compare(path.size() - 12, 12, ".safetensors") == 0)
+  if (fs::is_regular_file(path) && path.ends_with(".safetensors"))
     return data::read_text_embedding_file(path, text_len, text_dim, where).unsqueeze(0);
   // A preprocessed parquet dataset whose first row is the negative prompt.
   return data::read_text_embedding_rows(path, text_len, text_dim, where).text.narrow(0, 0, 1);
@@ -23,7 +23,7 @@ torch::Tensor load_negative_text(const std::string& path, int64_t text_len, int6
 
 Dmd2Method::Dmd2Method(const RunConfig& run, std::shared_ptr<Role> student, std::shared_ptr<Role> teacher,
                        std::shared_ptr<Role> critic, torch::Tensor negative_text)
-    : cfg_(run.method.dmd2), run_(run), student_(std::move(student)), teacher_(std::move(teacher)),
+    : cfg_(run.method.dmd2), data_(run.training.data), student_(std::move(student)), teacher_(std::move(teacher)),
       critic_(std::move(critic)) {
   VQAD_CHECK(student_ && teacher_ && critic_, "dmd2 needs the roles student, teacher and critic");
   VQAD_CHECK(student_->config.trainable && critic_->config.trainable && !teacher_->config.trainable,
@@ -107,7 +107,7 @@ torch::Tensor Dmd2Method::uncond_text(const torch::Tensor& text) const {
 
 std::vector<int64_t> Dmd2Method::latent_shape(const data::Batch& batch) const {
   if (batch.latent.defined()) return batch.latent.sizes().vec();
-  const auto& d = run_.training.data;
+  const auto& d = data_;
   VQAD_CHECK(d.num_latent_t > 0 && d.num_height > 0 && d.num_width > 0,
              "dmd2 simulate on text_only data: training.data.num_latent_t, num_height and num_width must be set "
              "(found ", d.num_latent_t, ", ", d.num_height, ", ", d.num_width, ")");

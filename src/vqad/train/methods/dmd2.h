@@ -94,7 +94,7 @@ class Dmd2Method : public TrainingMethod {
 
  private:
   Dmd2Config cfg_;
-  RunConfig run_;
+  DataConfig data_;  // latent geometry of text_only batches
   std::shared_ptr<Role> student_, teacher_, critic_;
   std::vector<double> steps_;
   double timestep_shift_ = 1.0;
