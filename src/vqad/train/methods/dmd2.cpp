@@ -144,10 +144,8 @@ torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vecto
     }
     input = j == 0 ? noise : kept[j - 1];
   }
-  if (!grad) {
-    torch::NoGradGuard ng;
-    return predict_x0(*student_, input, steps_[j], text);
-  }
+  // The graded call keeps the caller's grad mode; the critic's rollout has none.
+  torch::AutoGradMode mode(grad && torch::GradMode::is_enabled());
   return predict_x0(*student_, input, steps_[j], text);
 }
 
@@ -180,8 +178,9 @@ MethodStepResult Dmd2Method::micro_step(const data::Batch& batch, torch::Generat
   const auto dtype = student_->model->options().compute_dtype;
   auto text = batch.text.to(device, dtype);
   auto shape = latent_shape(batch);
-  torch::Tensor x0_data;
-  if (batch.latent.defined()) x0_data = batch.latent.to(device, dtype);
+  torch::Tensor x0_data;  // only data_latent rollouts read the batch's latents
+  if (cfg_.rollout_mode == RolloutMode::kDataLatent && batch.latent.defined())
+    x0_data = batch.latent.to(device, dtype);
   const auto& pc = student_->model->config().patch_size;
   out.tokens = shape[0] * (shape[2] / pc[0]) * (shape[3] / pc[1]) * (shape[4] / pc[2]);
 
