@@ -29,7 +29,7 @@ $NV -c src/vqad/kernels/attention/fake_quant_qkv.cu -o $B/fq.o &
 $NV -c bench/playground/attn_fwd_playground.cu -o $B/fpg.o &
 $NV -c bench/playground/attn_bwd_playground.cu -o $B/bpg.o &
 $NV -c src/vqad/kernels/attention/sm90/attn_qat_bwd.cu -o $B/bwdm.o &
-FV=${FV:-"dflt s0 k2 k6"}
+FV=${FV:-"dflt u0 s0"}
 BV=${BV:-"dflt"}
 declare -A FF=(
   [dflt]=""
@@ -38,10 +38,13 @@ declare -A FF=(
   [k6]="-DVQAD_ATTN_FWD_SKEW_GROUPS=6"
   [g2]="-DVQAD_ATTN_FWD_GROUP_STEP=2"
   [hm]="-DVQAD_ATTN_FWD_ROWSUM_WGMMA=0"         # row sums by mma.sync
+  [u0]="-DVQAD_ATTN_FWD_UNIFIED=0"              # one loop body per warpgroup
 )
 declare -A BF=(
   [dflt]=""
   [nt]="-DVQAD_ATTN_BWD_SCALE_TABLE=0"
+  [rc]="-DVQAD_ATTN_BWD_DQ_ORDERED=0"           # dQ by the recompute pass (7 GEMMs)
+  [d2]="-DVQAD_ATTN_BWD_DQ_STAGES=2"            # two dQ staging buffers
 )
 if [ -n "${BASE_REV:-}" ] && git rev-parse --verify -q "$BASE_REV" > /dev/null; then
   git show "$BASE_REV:$FWD" > $B/fwd_base.cu && git show "$BASE_REV:$BWD" > $B/bwd_base.cu

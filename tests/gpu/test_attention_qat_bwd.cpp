@@ -266,6 +266,11 @@ TEST_F(AttnQatBwdGpu, CrossShorterKvPaddedStrides) {
   expect_matches({2, 3, 333, 157, 8, AttnQatBwdPMode::kConsistent});
 }
 TEST_F(AttnQatBwdGpu, CrossLongerKv) { expect_matches({1, 2, 77, 610, 0, AttnQatBwdPMode::kConsistent}); }
+// 6 heads x 24 key blocks: several dQ partial sums per head, each a chain of 12
+// ordered bulk reductions (sm_90 path), ragged query and key tails.
+TEST_F(AttnQatBwdGpu, OrderedDqLongChains) {
+  expect_matches({2, 3, 700, 3000, 0, AttnQatBwdPMode::kConsistent});
+}
 TEST_F(AttnQatBwdGpu, SingleQueryRow) { expect_matches({1, 1, 1, 129, 16, AttnQatBwdPMode::kConsistent}); }
 TEST_F(AttnQatBwdGpu, FastVideoMode) { expect_matches({1, 2, 300, 250, 0, AttnQatBwdPMode::kFastVideo}); }
 TEST_F(AttnQatBwdGpu, NoPQuantization) { expect_matches({2, 2, 190, 333, 8, AttnQatBwdPMode::kNone}); }

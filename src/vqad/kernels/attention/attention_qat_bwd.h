@@ -6,14 +6,15 @@
 // [B, H, Lq] contiguous; m is the log2-domain row max of s = c * Q^.K^T and l
 // the row sum of bf16(P) relative to it). Outputs dQ, dK, dV are BF16.
 //
-// Work split (deterministic, no atomics anywhere):
+// Work split (deterministic: bitwise reproducible run to run, no floating-point atomics):
 //   1. a row pre-pass: delta_i = rowsum(dO_i * O_hp_i), packed with m_i and 1/l_i;
-//   2. dK/dV: one CTA per block of 128 keys, looping over every query block of 64;
-//   3. dQ:    one CTA per block of 128 queries, looping over every key block
-//             (64 keys with mma.sync, 128 with wgmma; on sm_90 steps 2 and 3 are
-//             one launch).
-// S and dP are recomputed in both 2 and 3 (7 GEMMs instead of the 5 of an
-// atomic dQ); in exchange the result is bitwise reproducible run to run.
+//   2. sm_90 (wgmma): one CTA per block of 128 keys loops over every query block of
+//      64 and forms dK, dV and dS_ij K_j; the dQ contributions go to fp32 partial
+//      sums in the workspace by bulk reductions taken in a fixed order (a turn
+//      counter per query block), and a last pass adds the partial sums in order
+//      and writes dQ (5 GEMMs);
+//   3. other archs (mma.sync), or the recompute variant of the wgmma kernels: a
+//      separate dQ pass per block of 128 queries recomputes S and dP (7 GEMMs).
 // The P groups of the dV path are the 16-key groups of each query row starting
 // at key 0 (a tail group uses only its valid keys), independent of any BLOCK_N.
 //
@@ -63,7 +64,10 @@ struct AttnQatBwdParams {
   AttnQatBwdOutTensor d_q, d_k, d_v;     // BF16, [B, L*, H, D]
 
   // Scratch of attn_qat_bwd_workspace_bytes(*this) bytes, 16-byte aligned,
-  // owned by the caller (the torch op hands in an allocator block).
+  // owned by the caller (the torch op hands in an allocator block): the row
+  // statistics and, for the sm_90 kernels, the fp32 dQ partial sums (1 to 16 of
+  // them, B*H*Lq*512 bytes each, fewer as B*H grows: 183 MiB at (1,3,31200) and at
+  // (1,12,31200)) with their turn counters.
   void* workspace = nullptr;
 };
 

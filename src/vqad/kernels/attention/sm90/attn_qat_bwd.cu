@@ -475,7 +475,13 @@ const char* attn_qat_bwd_impl_name(AttnQatBwdImpl i) {
 }
 
 size_t attn_qat_bwd_workspace_bytes(const AttnQatBwdParams& p) {
-  return static_cast<size_t>(p.batch) * p.heads * p.len_q * sizeof(float4);
+  const size_t stats = static_cast<size_t>(p.batch) * p.heads * p.len_q * sizeof(float4);
+  const size_t stats_padded = (stats + 255) / 256 * 256;
+  // The mma.sync kernels use the statistics only; the wgmma kernels also the dQ
+  // partial sums (kAuto decides by device, so those are always counted).
+  if (p.impl == AttnQatBwdImpl::kMmaSync) return stats;
+  return stats_padded +
+         attn_bwd::dq_accum_bytes(static_cast<int64_t>(p.batch) * p.heads, p.len_q, p.len_kv);
 }
 
 void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
@@ -542,6 +548,16 @@ void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
   kp.dk = out(p.d_k);
   kp.dv = out(p.d_v);
   kp.stats = static_cast<float4*>(p.workspace);
+  if (impl == AttnQatBwdImpl::kWgmma) {
+    const size_t stats = static_cast<size_t>(p.batch) * p.heads * p.len_q * sizeof(float4);
+    uint8_t* acc = static_cast<uint8_t*>(p.workspace) + (stats + 255) / 256 * 256;
+    const int64_t bh = static_cast<int64_t>(p.batch) * p.heads;
+    kp.dq_groups = dq_accum_groups(bh, (p.len_kv + 127) / 128);
+    kp.dq_acc = reinterpret_cast<float*>(acc);
+    kp.dq_sem = reinterpret_cast<int*>(acc + static_cast<size_t>(kp.dq_groups) * bh *
+                                                 dq_query_blocks(p.len_q) * 64 * 128 *
+                                                 sizeof(float));
+  }
 
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.len_q;
   VQAD_CHECK((rows + 7) / 8 <= 0x7fffffff, "attn_qat_bwd: too many rows, shape ", shape_str(p));

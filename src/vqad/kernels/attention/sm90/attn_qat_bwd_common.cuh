@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 
 #include "vqad/kernels/attention/attention_qat_bwd.h"
@@ -33,7 +35,37 @@ struct KernelParams {
   const float* l;
   OutTensor dq, dk, dv;
   float4* stats;  // [B, H, Lq]: {m, 1/l, delta, 0}
+  // Ordered dQ accumulation of the wgmma kernels (dq_accum_layout below):
+  // fp32 partial sums [groups][B*H][query blocks of 64][64 x 128] and one
+  // counter per (b*h, group, query block).
+  float* dq_acc;
+  int* dq_sem;
+  int dq_groups;
 };
+
+// dQ accumulation of the sm_90 backward (spec: deterministic). The dK/dV CTA of
+// key block j also forms dQ_i += dS_ij K_j for every query block i and adds it,
+// in fp32, to a partial sum in global memory with one bulk reduction per block.
+// The additions into one partial sum happen in a fixed order (increasing j, a
+// counter per block says whose turn it is), so dQ is bitwise reproducible. The
+// key blocks are split over `groups` partial sums (j mod groups) so that the CTAs
+// running at the same time on the GPU do not all wait on one chain; a last pass
+// adds the groups in order. `groups` depends only on the shape (not the device),
+// so results are reproducible across GPUs too.
+constexpr int kDqSmsForGrouping = 132;  // the SM count the grouping is tuned for (H100/H200)
+constexpr int kDqChainPerWave = 12;     // CTAs of one chain expected to run at once
+inline int dq_accum_groups(int64_t batch_heads, int kv_blocks) {
+  const int64_t per_head = (kDqSmsForGrouping + batch_heads - 1) / batch_heads;
+  const int64_t g = (per_head + kDqChainPerWave - 1) / kDqChainPerWave;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({g, kv_blocks, 16})));
+}
+inline int dq_query_blocks(int len_q) { return (len_q + 63) / 64; }
+// Bytes of the dQ partial sums and counters (after the [B, H, Lq] float4 stats).
+inline size_t dq_accum_bytes(int64_t batch_heads, int len_q, int len_kv) {
+  const int groups = dq_accum_groups(batch_heads, (len_kv + 127) / 128);
+  const size_t blocks = static_cast<size_t>(groups) * batch_heads * dq_query_blocks(len_q);
+  return blocks * 64 * 128 * sizeof(float) + ((blocks * sizeof(int) + 15) / 16) * 16;
+}
 
 // Host entry points of the two variants (defined in attn_qat_bwd.cu and
 // attn_qat_bwd_wgmma.cu); the row-statistics pre-pass has already run.
