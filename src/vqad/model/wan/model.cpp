@@ -4,6 +4,7 @@
 
 #include "vqad/core/error.h"
 #include "vqad/ops/checkpoint.h"
+#include "vqad/ops/fused_block.h"
 
 namespace vqad::model {
 
@@ -112,11 +113,10 @@ torch::Tensor WanModel::forward_blocks(int64_t begin, int64_t end, torch::Tensor
 }
 
 torch::Tensor WanModel::head(const torch::Tensor& hidden, const WanConditioning& cond) {
-  const auto cdt = hidden.scalar_type();
   auto mod = (scale_shift_table.to(torch::kFloat32) + cond.temb.to(torch::kFloat32).unsqueeze(1))
                  .chunk(2, 1);
   const auto &shift = mod[0], &scale = mod[1];
-  auto y = (layer_norm_fp32(hidden, config_.eps) * (1 + scale) + shift).to(cdt);
+  auto y = ops::modulated_layer_norm(hidden, scale, shift, config_.eps);
   y = proj_out->forward(y);
   return unpatchify(y, cond.grid, config_.patch_size, config_.out_channels);
 }

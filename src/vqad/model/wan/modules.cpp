@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "vqad/core/error.h"
+#include "vqad/ops/fused_block.h"
 
 namespace vqad::model {
 namespace {
@@ -47,9 +48,13 @@ RMSNorm::RMSNorm(int64_t dim, double eps_, const torch::TensorOptions& options) 
 }
 
 torch::Tensor RMSNorm::forward(const torch::Tensor& x) {
-  auto xf = x.to(torch::kFloat32);
-  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return normed.to(x.scalar_type()) * cast_like(weight, x);
+  if (x.dim() == 3) return ops::rms_norm_rope(x, weight, eps);
+  VQAD_CHECK(x.dim() >= 1, "RMSNorm: expected input [..., ", weight.size(0), "], found a scalar");
+  return ops::rms_norm_rope(x.reshape({1, -1, x.size(-1)}), weight, eps).reshape(x.sizes());
+}
+
+torch::Tensor RMSNorm::forward_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  return ops::rms_norm_rope(x, weight, eps, cos, sin);
 }
 
 FP32LayerNorm::FP32LayerNorm(int64_t dim, double eps_, const torch::TensorOptions& options)
@@ -196,11 +201,11 @@ WanAttention::WanAttention(int64_t dim, int64_t heads_, double eps, const torch:
 torch::Tensor WanAttention::self_forward(const torch::Tensor& h, const torch::Tensor& rope_cos,
                                          const torch::Tensor& rope_sin, const ops::AttentionSpec& spec) {
   const int64_t B = h.size(0), L = h.size(1);
-  auto q = norm_q->forward(to_q->forward(h)).reshape({B, L, heads, -1});
-  auto k = norm_k->forward(to_k->forward(h)).reshape({B, L, heads, -1});
+  // RMSNorm and RoPE in one op (one kernel on CUDA); the same math as
+  // apply_rope(norm_q->forward(.).reshape(B, L, H, D)).
+  auto q = norm_q->forward_rope(to_q->forward(h), rope_cos, rope_sin).reshape({B, L, heads, -1});
+  auto k = norm_k->forward_rope(to_k->forward(h), rope_cos, rope_sin).reshape({B, L, heads, -1});
   auto v = to_v->forward(h).reshape({B, L, heads, -1});
-  q = apply_rope(q, rope_cos, rope_sin);
-  k = apply_rope(k, rope_cos, rope_sin);
   auto o = ops::self_attention(q, k, v, spec);
   return to_out_0->forward(o.reshape({B, L, -1}).to(h.scalar_type()));
 }
@@ -264,18 +269,20 @@ torch::Tensor WanBlock::forward_tensors(const torch::Tensor& x, const torch::Ten
   const auto &shift = e[0], &scale = e[1], &gate = e[2];
   const auto &c_shift = e[3], &c_scale = e[4], &c_gate = e[5];
 
-  auto h1 = (layer_norm_fp32(x, eps) * (1 + scale) + shift).to(cdt);
+  // (layer_norm_fp32(x) * (1 + scale) + shift).to(cdt) and (x + a * gate).to(cdt) in fp32:
+  // fused ops (one kernel each on CUDA, the composite elsewhere).
+  auto h1 = ops::modulated_layer_norm(x, scale, shift, eps);
   auto attn = attn1->self_forward(h1, rope_cos, rope_sin, spec_);
   if (taps) taps->attn_out = attn;
-  auto out = (x.to(torch::kFloat32) + attn.to(torch::kFloat32) * gate).to(cdt);
+  auto out = ops::gated_residual(x, attn, gate);
 
   auto h2 = norm2->forward(out);
   out = out + attn2->cross_forward(h2, context.to(cdt));
 
-  auto h3 = (layer_norm_fp32(out, eps) * (1 + c_scale) + c_shift).to(cdt);
+  auto h3 = ops::modulated_layer_norm(out, c_scale, c_shift, eps);
   auto f = ffn->forward(h3);
   if (taps) taps->ffn_out = f;
-  return (out.to(torch::kFloat32) + f.to(torch::kFloat32) * c_gate).to(cdt);
+  return ops::gated_residual(out, f, c_gate);
 }
 
 }  // namespace vqad::model

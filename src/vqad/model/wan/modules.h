@@ -43,6 +43,9 @@ class RMSNorm : public torch::nn::Module {
  public:
   RMSNorm(int64_t dim, double eps, const torch::TensorOptions& options);
   torch::Tensor forward(const torch::Tensor& x);
+  // forward(x) on x [B, L, dim], then RoPE on its heads (apply_rope with cos, sin
+  // [L, head_dim / 2]); returned as [B, L, dim]. One op (ops::rms_norm_rope).
+  torch::Tensor forward_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   torch::Tensor weight;
   double eps;
 };
