@@ -45,6 +45,7 @@ declare -A BF=(
   [nt]="-DVQAD_ATTN_BWD_SCALE_TABLE=0"
   [rc]="-DVQAD_ATTN_BWD_DQ_ORDERED=0"           # dQ by the recompute pass (7 GEMMs)
   [d2]="-DVQAD_ATTN_BWD_DQ_STAGES=2"            # two dQ staging buffers
+  [ts0]="-DVQAD_ATTN_BWD_TAIL_SPLIT=0"          # no tail split (last partial wave runs whole CTAs)
   [w128]="-DVQAD_ATTN_BWD_SEM_SLEEP_NS=128"      # turn wait back-off (default 32 ns)
 )
 if [ -n "${BASE_REV:-}" ] && git rev-parse --verify -q "$BASE_REV" > /dev/null; then

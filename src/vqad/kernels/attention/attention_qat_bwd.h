@@ -12,7 +12,8 @@
 //      64 and forms dK, dV and dS_ij K_j; the dQ contributions go to fp32 partial
 //      sums in the workspace by bulk reductions taken in a fixed order (a turn
 //      counter per query block), and a last pass adds the partial sums in order
-//      and writes dQ (5 GEMMs);
+//      and writes dQ (5 GEMMs); the CTAs of a last partial wave are split over
+//      query ranges (fp32 partial dK / dV added in order by a combine pass);
 //   3. other archs (mma.sync), or the recompute variant of the wgmma kernels: a
 //      separate dQ pass per block of 128 queries recomputes S and dP (7 GEMMs).
 // The P groups of the dV path are the 16-key groups of each query row starting
@@ -67,7 +68,8 @@ struct AttnQatBwdParams {
   // owned by the caller (the torch op hands in an allocator block): the row
   // statistics and, for the sm_90 kernels, the fp32 dQ partial sums (1 to 16 of
   // them, B*H*Lq*512 bytes each, fewer as B*H grows: 183 MiB at (1,3,31200) and at
-  // (1,12,31200)) with their turn counters.
+  // (1,12,31200)) with their turn counters, and the tail split's fp32 dK / dV parts
+  // (at most 132 * 8 * 128 KiB; 63 MiB at (1,3,31200)).
   void* workspace = nullptr;
 };
 

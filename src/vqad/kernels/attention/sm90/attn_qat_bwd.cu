@@ -480,8 +480,9 @@ size_t attn_qat_bwd_workspace_bytes(const AttnQatBwdParams& p) {
   // The mma.sync kernels use the statistics only; the wgmma kernels also the dQ
   // partial sums (kAuto decides by device, so those are always counted).
   if (p.impl == AttnQatBwdImpl::kMmaSync) return stats;
-  return stats_padded +
-         attn_bwd::dq_accum_bytes(static_cast<int64_t>(p.batch) * p.heads, p.len_q, p.len_kv);
+  const int64_t bh = static_cast<int64_t>(p.batch) * p.heads;
+  return stats_padded + attn_bwd::dq_accum_bytes(bh, p.len_q, p.len_kv) +
+         attn_bwd::dkdv_split_bytes(bh, p.len_q, p.len_kv);
 }
 
 void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
@@ -557,6 +558,10 @@ void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
     kp.dq_sem = reinterpret_cast<int*>(acc + static_cast<size_t>(kp.dq_groups) * bh *
                                                  dq_query_blocks(p.len_q) * 64 * 128 *
                                                  sizeof(float));
+    const DkdvSplitPlan plan = dkdv_split_plan(bh, (p.len_kv + 127) / 128, p.len_q);
+    kp.split_first = static_cast<int>(plan.first);
+    kp.split_parts = plan.parts;
+    kp.dkv_part = reinterpret_cast<float*>(acc + dq_accum_bytes(bh, p.len_q, p.len_kv));
   }
 
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.len_q;

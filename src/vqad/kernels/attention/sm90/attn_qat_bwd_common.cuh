@@ -41,6 +41,10 @@ struct KernelParams {
   float* dq_acc;
   int* dq_sem;
   int dq_groups;
+  // Tail split (dkdv_split_plan): CTAs from split_first on cover one key block in
+  // split_parts query ranges each and write fp32 partial dK, dV to dkv_part.
+  int split_first, split_parts;
+  float* dkv_part;
 };
 
 // dQ accumulation of the sm_90 backward (spec: deterministic). The dK/dV CTA of
@@ -60,6 +64,47 @@ inline int dq_accum_groups(int64_t batch_heads, int kv_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({g, kv_blocks, 16})));
 }
 inline int dq_query_blocks(int len_q) { return (len_q + 63) / 64; }
+
+// Tail split of the ordered-dQ kernel. Its CTAs (one per key block and batch*head) all
+// take the same time, so a last partial wave leaves SMs idle: at (1,3,31200) 732 CTAs
+// on 132 SMs end with 72 CTAs running alone. The last `tail` CTAs (the highest key
+// blocks) are therefore each split into `parts` CTAs over contiguous query ranges, which
+// write fp32 partial dK, dV; dkdv_combine_kernel adds the parts in order. The plan
+// depends only on the shape (the SM count is the constant of dq_accum_groups), so
+// results are reproducible across GPUs.
+struct DkdvSplitPlan {
+  int64_t first = 0;  // first split key-block CTA (index in the unsplit order; = all CTAs: none)
+  int tail = 0;       // split key-block CTAs
+  int parts = 1;      // CTAs per split key block (1: no split)
+};
+// Query blocks per part at least: with 8, (1,12,8192) split its 108 tail CTAs into 6
+// parts of ~21 blocks and got 3% slower; with 32 it is not split.
+constexpr int kSplitMinQueryBlocks = 32;
+constexpr int kSplitMaxParts = 8;
+inline DkdvSplitPlan dkdv_split_plan(int64_t batch_heads, int kv_blocks, int len_q) {
+  DkdvSplitPlan plan;
+  const int64_t total = batch_heads * kv_blocks;
+  plan.first = total;
+  const int tail = static_cast<int>(total % kDqSmsForGrouping);
+  const int max_parts = std::min(kSplitMaxParts, dq_query_blocks(len_q) / kSplitMinQueryBlocks);
+  if (tail == 0 || max_parts < 2) return plan;
+  // Tail time in units of one unsplit CTA: ceil(tail * R / SMs) rounds of 1 / R each.
+  double best = 1.0;
+  for (int r = 2; r <= max_parts; ++r) {
+    const double t = static_cast<double>((static_cast<int64_t>(tail) * r + kDqSmsForGrouping - 1) /
+                                         kDqSmsForGrouping) / r;
+    if (t < best - 1e-9) best = t, plan.parts = r;
+  }
+  if (plan.parts > 1) {
+    plan.tail = tail;
+    plan.first = total - tail;
+  }
+  return plan;
+}
+inline size_t dkdv_split_bytes(int64_t batch_heads, int len_q, int len_kv) {
+  const DkdvSplitPlan plan = dkdv_split_plan(batch_heads, (len_kv + 127) / 128, len_q);
+  return static_cast<size_t>(plan.tail) * plan.parts * 2 * 128 * 128 * sizeof(float);
+}
 // Bytes of the dQ partial sums and counters (after the [B, H, Lq] float4 stats).
 inline size_t dq_accum_bytes(int64_t batch_heads, int len_q, int len_kv) {
   const int groups = dq_accum_groups(batch_heads, (len_kv + 127) / 128);

@@ -17,7 +17,9 @@
 // dQ:   CTA = 2 warpgroups x 64 queries; per key block of KT = 128 (or 64):
 //   S = Q K^T, dP = dO V^T (m64nKTk16), dQ += dS K (m64n128k16, B = K tile N-major).
 //   dK/dV and dQ CTAs run in one launch (fused_wgmma_kernel), dK/dV CTAs first.
-// At (1,3,31200) on an H200: 10.98 ms ordered vs 12.08 ms recompute.
+// The CTAs of a last partial wave are split over query ranges (dkdv_split_plan,
+// dkdv_combine_kernel). At (1,3,31200) on an H200: 10.43 ms ordered with the tail split,
+// 10.98 ms without it, 12.08 ms with the recompute pass.
 //
 // Shared tiles hold rows of 128 bf16 as two 64-column halves ([half][row][64]),
 // each row 128 bytes with its 16-byte chunks XOR-swizzled by (row & 7): the
@@ -212,6 +214,12 @@ static_assert(kDqStages == 1 || kDqStages == 2, "1 or 2 dQ staging buffers");
 constexpr size_t kDkdvqSmem = kDkdvSmem + kDsTileBytes + kDqStages * kDqStageBytes;
 static_assert((kDkdvSmem - 1024) % 1024 == 0, "dS^T tile must start 1024-byte aligned");
 
+// Tail split of the ordered-dQ kernel (dkdv_split_plan) on (1) or off (0).
+#ifndef VQAD_ATTN_BWD_TAIL_SPLIT
+#define VQAD_ATTN_BWD_TAIL_SPLIT 1
+#endif
+constexpr bool kTailSplit = VQAD_ATTN_BWD_TAIL_SPLIT != 0;
+
 // dQ by ordered accumulation in the dK/dV kernel (default) or by the separate
 // recompute pass (dq_body: S and dP computed a second time).
 #ifndef VQAD_ATTN_BWD_DQ_ORDERED
@@ -225,9 +233,12 @@ constexpr size_t dq_smem(int key_tile) {
 //   S^T, dP^T issued as two groups; phase 1 (exp2 + P quantization) overlaps
 //   dP^T; dV issued; phase 2 (dS) overlaps dV; dK issued.
 #ifdef VQAD_ATTN_BWD_WGMMA
+// Query blocks [q_begin, q_end) of key block kv_block (q_end < 0: all). With
+// part_out (tail split, kDq only) dK and dV go there as fp32 [2][128 keys][128].
 template <AttnQatBwdPMode MODE, bool kDq>
 __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, int b, int h,
-                                          int kv_block) {
+                                          int kv_block, int q_begin = 0, int q_end = -1,
+                                          float* part_out = nullptr) {
   constexpr int kTileK = kKeysPerCta * kD * 2, kTileQ = kQueryTile * kD * 2;
   uint8_t* sK = smem;
   uint8_t* sV = sK + kTileK;
@@ -255,7 +266,9 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
       cp_async16(&sSt[stage * kQueryTile + i], st_bh + (ok ? q0 + i : 0), ok);
     }
   };
-  load_q_block(0, 0);
+  const int nq = (p.Lq + kQueryTile - 1) / kQueryTile;
+  if (q_end < 0) q_end = nq;
+  load_q_block(q_begin, 0);
   cp_async_commit();
   if (kScaleTable && tid < 128) {  // visible after the first barrier of the loop
     const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
@@ -272,7 +285,6 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > p.Lkv;
   const bool key_ok0 = key_row0 < p.Lkv, key_ok1 = key_row0 + 8 < p.Lkv;
   const uint32_t aK = smem_u32(sK), aV = smem_u32(sV);
-  const int nq = (p.Lq + kQueryTile - 1) / kQueryTile;
 
   // Ordered dQ (kDq): this CTA's place in the chain of its partial sum.
   const int64_t bh = static_cast<int64_t>(b) * p.H + h;
@@ -302,13 +314,13 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     sem_advance(dq_turn + qb);
   };
 
-  for (int qb = 0; qb < nq; ++qb) {
-    const int stage = qb % kStages;
+  for (int qb = q_begin; qb < q_end; ++qb) {
+    const int stage = (qb - q_begin) % kStages;
     cp_async_wait<0>();
     fence_proxy_async();  // cp.async data -> visible to the wgmma (async proxy)
     __syncthreads();      // also: both warpgroups are done with block qb-1's stage
     if constexpr (kDq) {
-      if (tid == 0 && qb > 0) dq_issue(qb - 1);  // staged at the end of step qb - 1
+      if (tid == 0 && qb > q_begin) dq_issue(qb - 1);  // staged at the end of step qb - 1
     }
     const uint32_t aQ = smem_u32(sQ + stage * kTileQ), adO = smem_u32(sdO + stage * kTileQ);
     const float4* cSt = sSt + stage * kQueryTile;
@@ -327,8 +339,8 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
                             desc_kmajor(adO, kQueryTile, 0, kk), kk > 0);
     wgmma_commit();
     // Prefetch the next block into the other stage while the tensor cores run.
-    if (qb + 1 < nq) {
-      load_q_block(qb + 1, (qb + 1) % kStages);
+    if (qb + 1 < q_end) {
+      load_q_block(qb + 1, (qb + 1 - q_begin) % kStages);
       cp_async_commit();
     }
     wgmma_wait<1>();  // S^T done; dP^T may still run
@@ -366,7 +378,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
       // dS^T tile read transposed (M = queries contiguous), B the K tile's half.
       // The reduction issued at the top of this step has had most of the step to
       // finish; it must before the staging buffer is rewritten (after the barrier).
-      if (kDqStages == 1 && tid == 0 && qb > 0) dq_complete(qb - 1);
+      if (kDqStages == 1 && tid == 0 && qb > q_begin) dq_complete(qb - 1);
       named_barrier_sync(1, kThreads);  // both warpgroups' dS^T rows are in place
       float dq[32];
       const uint32_t adS = smem_u32(sdS), aKh = aK + wg * kKeysPerCta * kRowBytes;
@@ -389,7 +401,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
         sdQ[(qb % kDqStages) * (kDqStageBytes / 16) + (wg * 8 + j) * 128 + wq * 32 + lane] =
             make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
       fence_proxy_async();  // generic writes -> the bulk engine (after the next barrier)
-      if (kDqStages == 2 && tid == 0 && qb > 0) dq_complete(qb - 1);
+      if (kDqStages == 2 && tid == 0 && qb > q_begin) dq_complete(qb - 1);
     } else {
       // Leaving dK in flight into the next block makes ptxas serialize every
       // wgmma (C7515); the other warpgroup keeps the tensor cores busy instead.
@@ -401,11 +413,24 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   if constexpr (kDq) {
     __syncthreads();  // the last block's partial is staged
     if (tid == 0) {
-      dq_issue(nq - 1);
-      dq_complete(nq - 1);
+      dq_issue(q_end - 1);
+      dq_complete(q_end - 1);
     }
   }
 
+  if (part_out != nullptr) {  // tail split: fp32 partials, added by dkdv_combine_kernel
+    const int r0 = wg * 64 + wq * 16 + g;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const int col = n * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(part_out + r0 * kD + col) = make_float2(dk[n][0], dk[n][1]);
+      *reinterpret_cast<float2*>(part_out + (r0 + 8) * kD + col) = make_float2(dk[n][2], dk[n][3]);
+      float* pv = part_out + kKeysPerCta * kD;
+      *reinterpret_cast<float2*>(pv + r0 * kD + col) = make_float2(dv[n][0], dv[n][1]);
+      *reinterpret_cast<float2*>(pv + (r0 + 8) * kD + col) = make_float2(dv[n][2], dv[n][3]);
+    }
+    return;
+  }
   bf16* dk_base = p.dk.p + b * p.dk.sb + h * p.dk.sh;
   bf16* dv_base = p.dv.p + b * p.dv.sb + h * p.dv.sh;
 #pragma unroll
@@ -602,10 +627,52 @@ __global__ void __launch_bounds__(kThreads, 1) dkdvq_wgmma_kernel(const KernelPa
 #ifdef VQAD_ATTN_BWD_WGMMA
   extern __shared__ uint8_t smem_raw[];
   const int bh_count = p.B * p.H;
-  const int bh = static_cast<int>(blockIdx.x % bh_count);
-  const int kv_block = static_cast<int>(blockIdx.x / bh_count);
-  dkdv_body<MODE, true>(p, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block);
+  int64_t idx = blockIdx.x;
+  int q_begin = 0, q_end = -1;
+  float* part_out = nullptr;
+  if (idx >= p.split_first) {  // tail split: unit u (an unsplit CTA index), part r
+    const int64_t t = idx - p.split_first, u = t / p.split_parts;
+    const int r = static_cast<int>(t % p.split_parts);
+    const int nq = (p.Lq + kQueryTile - 1) / kQueryTile;
+    q_begin = static_cast<int>(static_cast<int64_t>(nq) * r / p.split_parts);
+    q_end = static_cast<int>(static_cast<int64_t>(nq) * (r + 1) / p.split_parts);
+    part_out = p.dkv_part + (u * p.split_parts + r) * (2 * kKeysPerCta * kD);
+    idx = p.split_first + u;
+  }
+  const int bh = static_cast<int>(idx % bh_count);
+  const int kv_block = static_cast<int>(idx / bh_count);
+  dkdv_body<MODE, true>(p, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block, q_begin, q_end,
+                        part_out);
 #endif
+}
+
+// dK = scale * (part_0 + part_1 + ...), dV = part_0 + part_1 + ... in part order for
+// the split key blocks, as BF16 BLHD. One CTA per split key block.
+__global__ void __launch_bounds__(256) dkdv_combine_kernel(const KernelParams p) {
+  const int64_t u = blockIdx.x, idx = p.split_first + u;
+  const int bh_count = p.B * p.H;
+  const int bh = static_cast<int>(idx % bh_count), kv_block = static_cast<int>(idx / bh_count);
+  const int b = bh / p.H, h = bh % p.H;
+  const float* part = p.dkv_part + u * p.split_parts * (2 * kKeysPerCta * kD);
+  for (int e = threadIdx.x; e < 2 * kKeysPerCta * kD / 2; e += blockDim.x) {
+    const int pos = 2 * e;  // [tensor][key][col], pairs of columns
+    float2 acc = *reinterpret_cast<const float2*>(part + pos);
+    for (int r = 1; r < p.split_parts; ++r) {
+      const float2 x = *reinterpret_cast<const float2*>(part + r * (2 * kKeysPerCta * kD) + pos);
+      acc.x += x.x, acc.y += x.y;
+    }
+    const int tensor = pos / (kKeysPerCta * kD), key = (pos / kD) % kKeysPerCta, col = pos % kD;
+    const int row = kv_block * kKeysPerCta + key;
+    if (row >= p.Lkv) continue;
+    if (tensor == 0) {
+      *reinterpret_cast<uint32_t*>(p.dk.p + b * p.dk.sb + h * p.dk.sh +
+                                   static_cast<int64_t>(row) * p.dk.sl + col) =
+          pack_bf16(acc.x * p.scale, acc.y * p.scale);
+    } else {
+      *reinterpret_cast<uint32_t*>(p.dv.p + b * p.dv.sb + h * p.dv.sh +
+                                   static_cast<int64_t>(row) * p.dv.sl + col) = pack_bf16(acc.x, acc.y);
+    }
+  }
 }
 
 // dQ = scale * (partial_0 + partial_1 + ...) in group order, as BF16 BLHD.
@@ -667,15 +734,22 @@ void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const De
                    kp.dq_groups == dq_accum_groups(bh, kv_blocks),
                "attn_qat_bwd (wgmma): dQ accumulation workspace not set up (groups ",
                kp.dq_groups, ")");
-    const int64_t ctas = bh * kv_blocks;
+    DkdvSplitPlan plan = dkdv_split_plan(bh, kv_blocks, kp.Lq);
+    if (!kTailSplit) plan = DkdvSplitPlan{bh * kv_blocks, 0, 1};
+    VQAD_CHECK(plan.tail == 0 || kp.dkv_part != nullptr,
+               "attn_qat_bwd (wgmma): tail-split workspace not set up");
+    const int64_t ctas = bh * kv_blocks + static_cast<int64_t>(plan.tail) * (plan.parts - 1);
     VQAD_CHECK(ctas <= 0x7fffffff && bh <= 65535,
                "attn_qat_bwd: batch * heads must be <= 65535 and batch * heads * key blocks "
                "<= 2^31 - 1 (grid limits), found ", bh, " and ", ctas);
+    KernelParams kq = kp;
+    kq.split_first = static_cast<int>(plan.first);
+    kq.split_parts = plan.parts;
     VQAD_CUDA_CHECK(cudaMemsetAsync(kp.dq_sem, 0,
                                     static_cast<size_t>(kp.dq_groups) * bh * nq * sizeof(int), stream));
     auto launch = [&](auto kernel) {
       set_smem(kernel, kDkdvqSmem, dev);
-      kernel<<<static_cast<unsigned>(ctas), kThreads, kDkdvqSmem, stream>>>(kp);
+      kernel<<<static_cast<unsigned>(ctas), kThreads, kDkdvqSmem, stream>>>(kq);
     };
     switch (mode) {
       case AttnQatBwdPMode::kConsistent: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kConsistent>); break;
@@ -683,6 +757,10 @@ void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const De
       case AttnQatBwdPMode::kNone: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kNone>); break;
     }
     VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdvq_wgmma_kernel");
+    if (plan.tail > 0) {
+      dkdv_combine_kernel<<<static_cast<unsigned>(plan.tail), 256, 0, stream>>>(kq);
+      VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdv_combine_kernel");
+    }
     dq_finalize_kernel<<<dim3(nq, static_cast<unsigned>(bh)), 256, 0, stream>>>(kp, nq);
     VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_finalize_kernel");
     return;
