@@ -18,4 +18,10 @@ DeviceInfo device_info(int device = -1);
 // Number of visible CUDA devices (0 when no driver/GPU, never throws).
 int device_count();
 
+// Whether this build holds device code of a kernel family for `device` (-1: the current
+// one): `probe` is one kernel of the family (its address); a build without the device's
+// arch fails cudaFuncGetAttributes. Cached per (family, device). On false, *why names
+// the device, its arch, the family and the fix.
+bool kernel_family_available(const char* family, const void* probe, int device, std::string* why);
+
 }  // namespace vqad::kernels

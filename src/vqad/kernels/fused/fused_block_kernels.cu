@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/device.h"
 #include "vqad/kernels/fused/fused_block_kernels.h"
 
 namespace vqad::kernels::fused {
@@ -567,37 +568,8 @@ void reduce_partials(const float* part, int64_t batch, int64_t nchunks, int64_t 
   } while (0)
 
 bool kernels_available(int device, std::string* why) {
-  static std::mutex mu;
-  static std::vector<int> state;  // 0 unknown, 1 available, 2 missing
-  static std::vector<std::string> reasons;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device < 0) VQAD_CUDA_CHECK(cudaGetDevice(&device));
-  if (state.size() <= size_t(device)) {
-    state.resize(device + 1, 0);
-    reasons.resize(device + 1);
-  }
-  if (state[device] == 0) {
-    cudaDeviceProp prop{};
-    VQAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-    int previous = 0;
-    VQAD_CUDA_CHECK(cudaGetDevice(&previous));
-    VQAD_CUDA_CHECK(cudaSetDevice(device));
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, modulated_ln_fwd_kernel<bf16, 8, 1>);
-    VQAD_CUDA_CHECK(cudaSetDevice(previous));
-    if (err == cudaSuccess) {
-      state[device] = 1;
-    } else {
-      (void)cudaGetLastError();
-      state[device] = 2;
-      reasons[device] = std::string("device ") + std::to_string(device) + " (" + prop.name + ", sm_" +
-                        std::to_string(prop.major) + std::to_string(prop.minor) +
-                        ") has no fused block kernel in this build (" + cudaGetErrorString(err) +
-                        "); rebuild with its arch in VQAD_CUDA_ARCHS";
-    }
-  }
-  if (state[device] == 2 && why) *why = reasons[device];
-  return state[device] == 1;
+  return kernel_family_available("fused block", reinterpret_cast<const void*>(modulated_ln_fwd_kernel<bf16, 8, 1>), device,
+                                 why);
 }
 
 bool supports_cols(int64_t cols, bool paired, std::string* why) {

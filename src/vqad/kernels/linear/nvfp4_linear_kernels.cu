@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/device.h"
 #include "vqad/kernels/linear/nvfp4_linear_kernels.h"
 
 namespace vqad::kernels::linear {
@@ -234,38 +235,8 @@ struct LtDescs {
 }  // namespace
 
 bool kernels_available(int device, std::string* why) {
-  // Device properties are slow to query and cannot change: one check per device.
-  static std::mutex mu;
-  static std::vector<int> state;  // 0 unknown, 1 available, 2 missing
-  static std::vector<std::string> reasons;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device < 0) VQAD_CUDA_CHECK(cudaGetDevice(&device));
-  if (state.size() <= size_t(device)) {
-    state.resize(device + 1, 0);
-    reasons.resize(device + 1);
-  }
-  if (state[device] == 0) {
-    cudaDeviceProp prop{};
-    VQAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-    int previous = 0;
-    VQAD_CUDA_CHECK(cudaGetDevice(&previous));
-    VQAD_CUDA_CHECK(cudaSetDevice(device));
-    cudaFuncAttributes attr{};
-    const cudaError_t err = cudaFuncGetAttributes(&attr, unit_operand_kernel<__nv_bfloat16>);
-    VQAD_CUDA_CHECK(cudaSetDevice(previous));
-    if (err == cudaSuccess) {
-      state[device] = 1;
-    } else {
-      (void)cudaGetLastError();
-      state[device] = 2;
-      reasons[device] = std::string("device ") + std::to_string(device) + " (" + prop.name + ", sm_" +
-                        std::to_string(prop.major) + std::to_string(prop.minor) +
-                        ") has no NVFP4 linear kernel in this build (" + cudaGetErrorString(err) +
-                        "); rebuild with its arch in VQAD_CUDA_ARCHS";
-    }
-  }
-  if (state[device] == 2 && why) *why = reasons[device];
-  return state[device] == 1;
+  return kernel_family_available("NVFP4 linear", reinterpret_cast<const void*>(unit_operand_kernel<__nv_bfloat16>), device,
+                                 why);
 }
 
 void launch_bf16_amax(const void* x, ElemType type, int64_t n, float* amax_out, cudaStream_t stream) {
