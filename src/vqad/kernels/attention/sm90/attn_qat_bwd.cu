@@ -475,14 +475,12 @@ const char* attn_qat_bwd_impl_name(AttnQatBwdImpl i) {
 }
 
 size_t attn_qat_bwd_workspace_bytes(const AttnQatBwdParams& p) {
-  const size_t stats = static_cast<size_t>(p.batch) * p.heads * p.len_q * sizeof(float4);
-  const size_t stats_padded = (stats + 255) / 256 * 256;
   // The mma.sync kernels use the statistics only; the wgmma kernels also the dQ
-  // partial sums (kAuto decides by device, so those are always counted).
-  if (p.impl == AttnQatBwdImpl::kMmaSync) return stats;
-  const int64_t bh = static_cast<int64_t>(p.batch) * p.heads;
-  return stats_padded + attn_bwd::dq_accum_bytes(bh, p.len_q, p.len_kv) +
-         attn_bwd::dkdv_split_bytes(bh, p.len_q, p.len_kv);
+  // partial sums and the split parts (kAuto decides by device, so those are always
+  // counted).
+  const attn_bwd::WgmmaWorkspace w =
+      attn_bwd::wgmma_workspace(static_cast<int64_t>(p.batch) * p.heads, p.len_q, p.len_kv);
+  return p.impl == AttnQatBwdImpl::kMmaSync ? w.stats : w.total;
 }
 
 void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
@@ -550,18 +548,14 @@ void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
   kp.dv = out(p.d_v);
   kp.stats = static_cast<float4*>(p.workspace);
   if (impl == AttnQatBwdImpl::kWgmma) {
-    const size_t stats = static_cast<size_t>(p.batch) * p.heads * p.len_q * sizeof(float4);
-    uint8_t* acc = static_cast<uint8_t*>(p.workspace) + (stats + 255) / 256 * 256;
-    const int64_t bh = static_cast<int64_t>(p.batch) * p.heads;
-    kp.dq_groups = dq_accum_groups(bh, (p.len_kv + 127) / 128);
-    kp.dq_acc = reinterpret_cast<float*>(acc);
-    kp.dq_sem = reinterpret_cast<int*>(acc + static_cast<size_t>(kp.dq_groups) * bh *
-                                                 dq_query_blocks(p.len_q) * 64 * 128 *
-                                                 sizeof(float));
-    const DkdvSplitPlan plan = dkdv_split_plan(bh, (p.len_kv + 127) / 128, p.len_q);
-    kp.split_first = static_cast<int>(plan.first);
-    kp.split_parts = plan.parts;
-    kp.dkv_part = reinterpret_cast<float*>(acc + dq_accum_bytes(bh, p.len_q, p.len_kv));
+    const WgmmaWorkspace w =
+        wgmma_workspace(static_cast<int64_t>(p.batch) * p.heads, p.len_q, p.len_kv);
+    uint8_t* base = static_cast<uint8_t*>(p.workspace);
+    kp.dq_groups = w.dq_groups;
+    kp.dq_acc = reinterpret_cast<float*>(base + w.dq_acc);
+    kp.dq_sem = reinterpret_cast<int*>(base + w.dq_sem);
+    kp.dkv_part = reinterpret_cast<float*>(base + w.dkv_part);
+    // split_first / split_parts are set by the wgmma launcher (it can switch the split off).
   }
 
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.len_q;

@@ -101,15 +101,30 @@ inline DkdvSplitPlan dkdv_split_plan(int64_t batch_heads, int kv_blocks, int len
   }
   return plan;
 }
-inline size_t dkdv_split_bytes(int64_t batch_heads, int len_q, int len_kv) {
-  const DkdvSplitPlan plan = dkdv_split_plan(batch_heads, (len_kv + 127) / 128, len_q);
-  return static_cast<size_t>(plan.tail) * plan.parts * 2 * 128 * 128 * sizeof(float);
-}
-// Bytes of the dQ partial sums and counters (after the [B, H, Lq] float4 stats).
-inline size_t dq_accum_bytes(int64_t batch_heads, int len_q, int len_kv) {
-  const int groups = dq_accum_groups(batch_heads, (len_kv + 127) / 128);
-  const size_t blocks = static_cast<size_t>(groups) * batch_heads * dq_query_blocks(len_q);
-  return blocks * 64 * 128 * sizeof(float) + ((blocks * sizeof(int) + 15) / 16) * 16;
+
+// Workspace of the wgmma kernels, in byte offsets from its start: the [B, H, Lq] float4
+// row statistics (padded to 256 bytes), the dQ partial sums [groups][B*H][query
+// blocks][64 x 128] fp32, their turn counters (padded to 16 bytes) and the tail split's
+// fp32 dK / dV parts [tail][parts][2][128 x 128]. The mma.sync kernels use the
+// statistics only.
+struct WgmmaWorkspace {
+  size_t stats = 0;        // bytes of the statistics (unpadded)
+  size_t dq_acc = 0, dq_sem = 0, dkv_part = 0, total = 0;  // offsets, total size
+  int dq_groups = 1;
+  DkdvSplitPlan split;
+};
+inline WgmmaWorkspace wgmma_workspace(int64_t batch_heads, int len_q, int len_kv) {
+  WgmmaWorkspace w;
+  const int kv_blocks = (len_kv + 127) / 128;
+  w.stats = static_cast<size_t>(batch_heads) * len_q * sizeof(float4);
+  w.dq_groups = dq_accum_groups(batch_heads, kv_blocks);
+  w.split = dkdv_split_plan(batch_heads, kv_blocks, len_q);
+  const size_t dq_blocks = static_cast<size_t>(w.dq_groups) * batch_heads * dq_query_blocks(len_q);
+  w.dq_acc = (w.stats + 255) / 256 * 256;
+  w.dq_sem = w.dq_acc + dq_blocks * 64 * 128 * sizeof(float);
+  w.dkv_part = w.dq_sem + (dq_blocks * sizeof(int) + 15) / 16 * 16;
+  w.total = w.dkv_part + static_cast<size_t>(w.split.tail) * w.split.parts * 2 * 128 * 128 * sizeof(float);
+  return w;
 }
 
 // Host entry points of the two variants (defined in attn_qat_bwd.cu and
