@@ -8,8 +8,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "vqad/core/error.h"
@@ -93,13 +96,15 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::T
              "; there is no fallback to another attention path");
 }
 
-// Device copies of the tiling tables (int32), alive for the call.
+// Device copies of the tiling tables (int32). They depend on the grid and cube only
+// (constants, a few hundred KiB at the Wan grids), so they are uploaded once per
+// (device, grid, cube) and kept; no activation or scratch buffer outlives a call.
 struct TilingTables {
   torch::Tensor slot_to_token, token_to_slot, cube_tokens, block_tokens;
   kv::TilingDev dev;
 };
 
-TilingTables upload_tiling(const vsa_ref::Tiling& t, const torch::Device& device) {
+TilingTables make_tables(const vsa_ref::Tiling& t, const torch::Device& device) {
   VQAD_CHECK(t.padded_len <= INT32_MAX && t.num_tokens() <= INT32_MAX, kOp, ": the grid ", grid_str(t),
              " is too large for int32 slot tables");
   auto to_i32 = [](const auto& v) {
@@ -129,6 +134,18 @@ TilingTables upload_tiling(const vsa_ref::Tiling& t, const torch::Device& device
   r.dev.cube_tokens = r.cube_tokens.data_ptr<int32_t>();
   r.dev.block_tokens = r.block_tokens.data_ptr<int32_t>();
   return r;
+}
+
+const TilingTables& upload_tiling(const vsa_ref::Tiling& t, const torch::Device& device) {
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int>;
+  static std::mutex mu;
+  // Never destroyed: freeing device memory during static destruction can outlive the CUDA context.
+  static auto* cache = new std::map<Key, TilingTables>();
+  const Key key{device.index(), t.grid_t, t.grid_h, t.grid_w, t.cube.t, t.cube.h, t.cube.w};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find(key);
+  if (it == cache->end()) it = cache->emplace(key, make_tables(t, device)).first;
+  return it->second;
 }
 
 kv::VsaConfig make_config(const torch::Tensor& q, const vsa_ref::Tiling& tiling, const vsa_ref::Options& opts,
@@ -179,7 +196,7 @@ torch::Tensor forward(const torch::Tensor& q_in, const torch::Tensor& k_in, cons
   const std::string context = describe_qkv(q_in, k_in, v_in) + ", grid " + grid_str(tiling) + " on " + device_str(q_in);
   const torch::Tensor q = operand(q_in), k = operand(k_in), v = operand(v_in);
   const torch::Tensor gate = gate_in.defined() ? operand(gate_in) : torch::Tensor();
-  const TilingTables tables = upload_tiling(tiling, q.device());
+  const TilingTables& tables = upload_tiling(tiling, q.device());
   const kv::VsaConfig c = make_config(q, tiling, opts, tables.dev);
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t P = tiling.padded_len, nc = tiling.num_cubes;
@@ -245,7 +262,7 @@ Grads backward(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch
                kOp, ": saved tensor ", name, " must be contiguous ", c10::toString(type), " ", shape_str(sizes), " on ",
                q_in.device(), ", found ", t.defined() ? shape_str(t) : std::string("undefined"), " (", context, ")");
   };
-  const TilingTables tables = upload_tiling(tiling, q_in.device());
+  const TilingTables& tables = upload_tiling(tiling, q_in.device());
   const kv::VsaConfig c = make_config(q_in, tiling, opts, tables.dev);
   check_saved(s.tiled_q, "tiled_q", {B, H, P, D}, torch::kBFloat16);
   check_saved(s.tiled_k, "tiled_k", {B, H, P, D}, torch::kBFloat16);

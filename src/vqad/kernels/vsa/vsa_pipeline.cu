@@ -232,27 +232,36 @@ __global__ void select_kernel(const float* scores, const float* probs, int32_t* 
   }
 }
 
-// mask[b, h, qc, kv] = 1 for every selected (qc, kv); the mask is zeroed before.
-__global__ void mask_kernel(const int32_t* sel_index, const int32_t* sel_count, uint8_t* mask, int64_t rows,
+// Transposed selection mask: mask_t[b, h, kv, qc] = 1 for every selected (qc, kv); the
+// mask is zeroed before. Row = (b * H + h) * nc + qc.
+__global__ void mask_kernel(const int32_t* sel_index, const int32_t* sel_count, uint8_t* mask_t, int64_t rows,
                             int nc, int topk) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= rows) return;
+  const int64_t bh = row / nc;
+  const int qc = static_cast<int>(row % nc);
   const int n = sel_count[row];
-  for (int e = threadIdx.x; e < n; e += blockDim.x) mask[row * nc + sel_index[row * topk + e]] = 1;
+  for (int e = threadIdx.x; e < n; e += blockDim.x)
+    mask_t[(bh * nc + sel_index[row * topk + e]) * nc + qc] = 1;
 }
 
-// Inverse lists: for each (b, h, kv cube) the query cubes that selected it, ascending.
-__global__ void inverse_kernel(const uint8_t* mask, int32_t* inv_index, int32_t* inv_count, int64_t bhs, int nc) {
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // bh * nc + j
-  if (idx >= bhs * nc) return;
-  const int64_t bh = idx / nc;
-  const int j = static_cast<int>(idx % nc);
-  const uint8_t* mb = mask + bh * nc * nc + j;
-  int32_t* out = inv_index + idx * nc;
+// Inverse lists, one warp per (b, h, kv cube): the query cubes that selected it,
+// ascending (ballot + prefix count over 32 query cubes at a time).
+__global__ void inverse_kernel(const uint8_t* mask_t, int32_t* inv_index, int32_t* inv_count, int64_t rows, int nc) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);  // bh * nc + kv
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const uint8_t* mrow = mask_t + row * nc;
+  int32_t* out = inv_index + row * nc;
   int cnt = 0;
-  for (int qc = 0; qc < nc; ++qc)
-    if (mb[static_cast<int64_t>(qc) * nc]) out[cnt++] = qc;
-  inv_count[idx] = cnt;
+  for (int base = 0; base < nc; base += 32) {
+    const int qc = base + lane;
+    const bool sel = qc < nc && mrow[qc] != 0;
+    const unsigned bits = __ballot_sync(0xffffffffu, sel);
+    if (sel) out[cnt + __popc(bits & ((1u << lane) - 1u))] = qc;
+    cnt += __popc(bits);
+  }
+  if (lane == 0) inv_count[row] = cnt;
 }
 
 // out = bf16(out_c * gate + o_fine), one thread per (b, token, h, 8 channels).
@@ -609,8 +618,7 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
     mask_kernel<<<static_cast<unsigned>((rows + 7) / 8), block, 0, stream>>>(a.sel_index, a.sel_count, mask, rows, nc,
                                                                           c.topk);
     VQAD_CUDA_CHECK_LAUNCH("vsa mask_kernel");
-    inverse_kernel<<<static_cast<unsigned>((rows + 127) / 128), 128, 0, stream>>>(mask, inv_index, inv_count, s.bh,
-                                                                                 nc);
+    inverse_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(mask, inv_index, inv_count, rows, nc);
     VQAD_CUDA_CHECK_LAUNCH("vsa inverse_kernel");
   }
   detail::launch_fine_dkdv(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, inv_index, inv_count, dk_f, dv_f,
