@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   vqad::cli::register_bench_wan_commands(app);
   vqad::cli::register_data_commands(app);
   vqad::cli::register_bench_attention_commands(app);
+  vqad::cli::register_bench_vsa_commands(app);
   vqad::cli::register_bench_step_commands(app);
   vqad::cli::register_bench_dmd2_commands(app);
   try {
