@@ -501,9 +501,10 @@ TEST(ConfigSchema, EveryKeyHasOneDescriptorWithHelpAndStatus) {
         ++planned[s->path];
       }
       if (k.status == vqad::config::KeyStatus::kNotSupportedYet) ++refused[s->path + "." + k.key];
-      if (k.type == vqad::config::KeyType::kChoice && !k.default_value.is_null())
+      if (k.type == vqad::config::KeyType::kChoice && !k.default_value.is_null()) {
         EXPECT_NE(std::find(k.choices.begin(), k.choices.end(), k.default_value.get<std::string>()), k.choices.end())
             << s->path << "." << k.key;
+      }
     }
   }
   EXPECT_EQ(planned["training.vsa"], 6);

@@ -6,13 +6,6 @@
 
 namespace vqad::train::sections {
 
-using config::as_string;
-using config::check;
-using config::describe;
-using config::format_double;
-using config::key_fail;
-using K = KeyType;
-
 namespace {
 
 KeyDesc callback_target_key() {

@@ -3,12 +3,6 @@
 
 namespace vqad::train::sections {
 
-using config::as_string;
-using config::check;
-using config::format_double;
-using config::key_fail;
-using K = KeyType;
-
 namespace {
 
 const char* kRecon = "the layer_recon / recon_ode methods (the trainer refuses them until they land)";

@@ -5,13 +5,6 @@
 
 namespace vqad::train::sections {
 
-using config::as_string;
-using config::check;
-using config::describe;
-using config::format_double;
-using config::key_fail;
-using K = KeyType;
-
 const SectionSchema& role_schema() {
   static const SectionSchema s{
       "models.<role>",

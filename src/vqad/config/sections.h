@@ -5,12 +5,24 @@
 
 namespace vqad::train::sections {
 
+using config::as_bool;
+using config::as_int;
+using config::as_string;
+using config::check;
 using config::Ctx;
+using config::describe;
+using config::falsy;
+using config::format_double;
+using config::is_int_text;
+using config::join;
+using config::key_fail;
 using config::KeyDesc;
 using config::KeyStatus;
 using config::KeyType;
 using config::Section;
 using config::SectionSchema;
+using config::trim;
+using K = KeyType;
 
 // Schemas (tables of key descriptors), one per mapping of the config.
 const SectionSchema& top_level_schema();

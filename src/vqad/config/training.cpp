@@ -6,17 +6,6 @@
 
 namespace vqad::train::sections {
 
-using config::as_int;
-using config::as_string;
-using config::check;
-using config::falsy;
-using config::format_double;
-using config::is_int_text;
-using config::join;
-using config::key_fail;
-using config::trim;
-using K = KeyType;
-
 namespace {
 
 const char* kMultiGpu = "multi-GPU training (one device today: the trainer refuses num_gpus > 1)";
