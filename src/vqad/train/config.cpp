@@ -732,6 +732,7 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
     x.num_width = d.i64("num_width", 0, true);
     x.num_latent_t = d.i64("num_latent_t", 0, true);
     x.num_frames = d.i64("num_frames", 0, true);
+    x.ode_anchor_indices = d.i64_list("ode_anchor_indices");
     d.finish();
     const std::string p = "training.data";
     check(x.train_batch_size >= 1, ctx, p + ".train_batch_size", "must be >= 1");
@@ -1242,6 +1243,7 @@ Json to_json(const TrainingConfig& t) {
                {"num_width", a.num_width},
                {"num_latent_t", a.num_latent_t},
                {"num_frames", a.num_frames}};
+  if (!a.ode_anchor_indices.empty()) j["data"]["ode_anchor_indices"] = a.ode_anchor_indices;
   const auto& o = t.optimizer;
   j["optimizer"] = {{"learning_rate", o.learning_rate},
                     {"betas", {o.betas[0], o.betas[1]}},
