@@ -136,10 +136,19 @@ TEST_F(ValidationFixture, EulerSamplerMatchesAHandWrittenLoop) {
   auto got = train::euler_sample(m, noise, text, uncond, 2.5, 3, 3.0);
   torch::NoGradGuard ng;
   auto x = noise.clone();
+  // The shifted schedule in fp32, every operation rounded in the order of spec/sparse_qad.md
+  // "Schedules": u from a symmetric fp32 linspace, sigma = S u / (1 + (S - 1) u).
+  auto sigma = [](int i) {
+    const float step = -1.0f / 3.0f;
+    volatile float prod = i < 2 ? step * static_cast<float>(i) : step * static_cast<float>(3 - i);
+    const float u = i < 2 ? 1.0f + prod : 0.0f - prod;
+    volatile float num = 3.0f * u, den_prod = 2.0f * u;
+    volatile float den = 1.0f + den_prod;
+    return num / den;
+  };
   for (int i = 0; i < 3; ++i) {
-    auto s = [](double u) { return 3.0 * u / (1.0 + 2.0 * u); };
-    const double si = s(1.0 - i / 3.0), sn = s(1.0 - (i + 1) / 3.0);
-    auto t = torch::full({1}, static_cast<float>(1000.0 * si));
+    const float si = sigma(i), sn = sigma(i + 1);
+    auto t = torch::full({1}, 1000.0f * si);
     auto vc = m.forward(x.to(torch::kBFloat16), t, text).to(torch::kFloat32);
     auto vu = m.forward(x.to(torch::kBFloat16), t, uncond).to(torch::kFloat32);
     x = x + (sn - si) * (vu + 2.5 * (vc - vu));

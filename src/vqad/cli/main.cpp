@@ -35,6 +35,8 @@ int main(int argc, char** argv) {
   vqad::cli::register_bench_vsa_commands(app);
   vqad::cli::register_bench_step_commands(app);
   vqad::cli::register_bench_dmd2_commands(app);
+  vqad::cli::register_ode_cache_commands(app);
+  vqad::cli::register_bench_ode_cache_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

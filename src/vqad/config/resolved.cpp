@@ -119,6 +119,7 @@ Json to_json(const TrainingConfig& t) {
                {"num_width", a.num_width},
                {"num_latent_t", a.num_latent_t},
                {"num_frames", a.num_frames}};
+  if (!a.ode_anchor_indices.empty()) j["data"]["ode_anchor_indices"] = a.ode_anchor_indices;
   const auto& o = t.optimizer;
   j["optimizer"] = {{"learning_rate", o.learning_rate},
                     {"betas", {o.betas[0], o.betas[1]}},

@@ -177,6 +177,9 @@ struct DataConfig {
   double training_cfg_rate = 0.0;
   int64_t seed = 0;
   int64_t num_height = 0, num_width = 0, num_latent_t = 0, num_frames = 0;
+  // vqad: when data_path is an ODE-trajectory cache, the teacher step indices of the
+  // anchors to train on (e.g. [0, 16, 32]); empty = every cached anchor.
+  std::vector<int64_t> ode_anchor_indices;
 };
 
 struct OptimizerConfig {

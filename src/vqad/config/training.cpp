@@ -53,6 +53,10 @@ const SectionSchema& data_schema() {
           key("num_width", K::kInt, 0, "video width in pixels (0 = from the data)", true),
           key("num_latent_t", K::kInt, 0, "latent frames (0 = from the data)", true),
           key("num_frames", K::kInt, 0, "video frames (0 = from the data)", true),
+          key("ode_anchor_indices", K::kIntList, Json::array(),
+              "vqad: when data_path is an ODE-trajectory cache, the teacher step indices of the anchors to "
+              "train on (e.g. [0, 16, 32]); empty = every cached anchor",
+              true),
       }};
   return s;
 }
@@ -261,6 +265,7 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
     x.num_width = d.i64("num_width");
     x.num_latent_t = d.i64("num_latent_t");
     x.num_frames = d.i64("num_frames");
+    x.ode_anchor_indices = d.i64_list("ode_anchor_indices");
     d.finish();
     const std::string p = "training.data";
     check(x.train_batch_size >= 1, ctx, p + ".train_batch_size", "must be >= 1");

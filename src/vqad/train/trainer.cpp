@@ -11,8 +11,8 @@
 #include "vqad/core/metrics.h"
 #include "vqad/core/progress.h"
 #include "vqad/core/safetensors.h"
+#include "vqad/data/dataset.h"
 #include "vqad/data/loader.h"
-#include "vqad/data/parquet_dataset.h"
 #include "vqad/data/sampler.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/train/checkpoint_dir.h"
@@ -46,7 +46,7 @@ torch::Device parse_device(const std::string& s) {
 
 struct Trainer::Impl {
   const MethodRegistration* registration = nullptr;
-  std::shared_ptr<data::ParquetDataset> dataset;
+  std::shared_ptr<const data::Dataset> dataset;
   std::unique_ptr<data::PrefetchLoader> loader;
   RoleOptimizers optimizers;
   std::unique_ptr<TrainingMethod> method;
@@ -98,18 +98,21 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   auto student = roles_.at("student");
   VQAD_CHECK(student->config.trainable, "models.student.trainable must be true for ", method.name);
 
-  // Data.
+  // Data (parquet rows, synthetic rows or ODE-cache pairs: data::make_dataset decides).
   const auto& mc = student->model->config();
-  data::DatasetOptions dopt;
-  dopt.kind = tc.data.preprocessed_data_type == "text_only" ? data::DataKind::TextOnly : data::DataKind::T2V;
-  dopt.text_len = mc.text_len;
-  dopt.text_dim = mc.text_dim;
-  dopt.num_latent_t = tc.data.num_latent_t;
-  dopt.cfg_rate = tc.data.training_cfg_rate;
-  dopt.seed = tc.data.seed;
-  std::vector<std::pair<std::string, int64_t>> sources;
-  for (const auto& src : tc.data.data_path) sources.emplace_back(src.path, src.repeat);
-  impl_->dataset = data::ParquetDataset::open_sources(sources, dopt);
+  data::DatasetSpec dspec;
+  for (const auto& src : tc.data.data_path) dspec.sources.emplace_back(src.path, src.repeat);
+  dspec.kind = tc.data.preprocessed_data_type;
+  dspec.text_len = mc.text_len;
+  dspec.text_dim = mc.text_dim;
+  dspec.num_latent_t = tc.data.num_latent_t;
+  dspec.num_height = tc.data.num_height;
+  dspec.num_width = tc.data.num_width;
+  dspec.cfg_rate = tc.data.training_cfg_rate;
+  dspec.seed = tc.data.seed;
+  dspec.ode_anchor_indices = tc.data.ode_anchor_indices;
+  impl_->dataset = data::make_dataset(dspec);
+  log::info("data: ", impl_->dataset->description());
   auto sopt = data::sampler_options_for_rank(impl_->dataset->size(), tc.data.train_batch_size, 1, 1, 0, tc.data.seed);
   impl_->loader = std::make_unique<data::PrefetchLoader>(impl_->dataset, data::DpSpBatchSampler(sopt), 2);
 
