@@ -301,12 +301,15 @@ OdeCacheWriter::OdeCacheWriter(std::string directory, OdeCacheMeta meta, int64_t
   mine["pairs"] = trajectories_ * int64_t(meta_.schedule.student_indices.size());
   if (fs::exists(meta_path)) {
     json theirs = read_json(meta_path);
-    if (identity_of(theirs) != identity_of(mine)) {
-      // Name the first top-level field that differs.
+    const json mine_id = identity_of(mine), theirs_id = identity_of(theirs);
+    if (theirs_id != mine_id) {
+      // Name the first top-level field that differs (iterate a named object: items() of a
+      // temporary would dangle).
       std::string diff;
-      for (const auto& [k, v] : identity_of(mine).items())
-        if (!theirs.contains(k) || theirs[k] != v) {
-          diff = k + " (existing " + (theirs.contains(k) ? theirs[k].dump() : std::string("(none)")) +
+      // "pairs" follows from trajectories x anchors: name the cause, not the consequence.
+      for (const auto& [k, v] : mine_id.items())
+        if (k != "pairs" && (!theirs_id.contains(k) || theirs_id[k] != v)) {
+          diff = k + " (existing " + (theirs_id.contains(k) ? theirs_id[k].dump() : std::string("(none)")) +
                  ", requested " + v.dump() + ")";
           break;
         }
