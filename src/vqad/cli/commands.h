@@ -22,6 +22,7 @@ void register_bench_linear_commands(CLI::App& app);
 void register_bench_wan_commands(CLI::App& app);
 void register_data_commands(CLI::App& app);
 void register_bench_attention_commands(CLI::App& app);
+void register_bench_vsa_commands(CLI::App& app);
 void register_bench_step_commands(CLI::App& app);
 void register_bench_dmd2_commands(CLI::App& app);
 void register_plot_commands(CLI::App& app);
