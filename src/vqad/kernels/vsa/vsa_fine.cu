@@ -318,6 +318,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams 
     }
     __syncthreads();  // the next prefetch overwrites this stage
   }
+  cp_async_wait<0>();  // nothing in flight at exit (an empty visit list leaves the first loads)
 
   const int r0 = qb * kBT + warp * 16 + g;  // tiled rows of this lane: r0, r0 + 8
   const float l0 = lacc[0], l1 = lacc[2];
@@ -491,6 +492,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_dkdv_kernel(const FineParams
     }
     __syncthreads();
   }
+  cp_async_wait<0>();
 
   // Every row of the block is written (zeros where no query cube selected it).
   bf16* dk_base = p.o + head_off;
@@ -625,6 +627,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_dq_kernel(const FineParams p
     }
     __syncthreads();
   }
+  cp_async_wait<0>();
 
   bf16* dq_base = p.o + head_off;
 #pragma unroll
