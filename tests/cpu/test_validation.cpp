@@ -101,6 +101,31 @@ TEST_F(ValidationFixture, SftWritesSamplesAtStartAndEveryNStepsWithoutChangingTr
   EXPECT_EQ(records, 3);
 }
 
+// FastVideo's `every_steps: 0` and vqad's `--callbacks.validation none` both turn the
+// callback off before anything is opened (the dataset file here does not exist).
+TEST_F(ValidationFixture, EveryStepsZeroOrNoneTurnsValidationOffWithoutOpeningFiles) {
+  const std::string cb = "callbacks:\n  validation:\n    _target_: fastvideo.train.callbacks.validation.ValidationCallback\n"
+                         "    dataset_file: " + (root / "no_such_prompts.json").string() + "\n"
+                         "    every_steps: 50\n    sampling_steps: [4]\n";
+  const auto zero = root / "zero", none = root / "none", plain = root / "plain";
+  train::Trainer(train::parse_run_config(sft_yaml(zero.string(), cb), {"--callbacks.validation.every_steps", "0"}),
+                 quiet()).run();
+  train::Trainer(train::parse_run_config(sft_yaml(none.string(), cb), {"--callbacks.validation", "none"}), quiet())
+      .run();
+  train::Trainer(train::parse_run_config(sft_yaml(plain.string(), "")), quiet()).run();
+  EXPECT_EQ(losses(zero), losses(plain));
+  EXPECT_EQ(losses(none), losses(plain));
+  EXPECT_FALSE(fs::exists(zero / "validation"));
+  EXPECT_FALSE(fs::exists(none / "validation"));
+  // With the callback on, the missing file is an error naming the key.
+  try {
+    train::Trainer(train::parse_run_config(sft_yaml((root / "on").string(), cb)), quiet());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("callbacks.validation.dataset_file"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(ValidationFixture, EulerSamplerMatchesAHandWrittenLoop) {
   // Euler on the shifted sigmas with CFG, written out here independently.
   torch::manual_seed(1);

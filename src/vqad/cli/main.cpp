@@ -9,6 +9,11 @@
 #include "vqad/core/error.h"
 #include "vqad/version.h"
 
+namespace vqad::cli {
+// Declared here rather than in commands.h so that adding the media module rebuilds only main.cpp.
+void register_media_commands(CLI::App& app);
+}  // namespace vqad::cli
+
 int main(int argc, char** argv) {
   CLI::App app{
       "vqad - NVFP4 quantization-aware training and distillation for video diffusion "
@@ -18,6 +23,7 @@ int main(int argc, char** argv) {
   vqad::cli::register_version_commands(app);
   vqad::cli::register_train_commands(app);
   vqad::cli::register_plot_commands(app);
+  vqad::cli::register_media_commands(app);
   vqad::cli::register_config_commands(app);
   vqad::cli::register_op_attention_commands(app);
   vqad::cli::register_nvfp4_commands(app);

@@ -7,6 +7,8 @@
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/data/text_embeddings.h"
+#include "vqad/train/methods/registry.h"
+#include "vqad/train/sampling.h"
 
 namespace fs = std::filesystem;
 
@@ -212,6 +214,57 @@ MethodStepResult Dmd2Method::micro_step(const data::Batch& batch, torch::Generat
   out.metrics["update_student"] = upd ? 1.0 : 0.0;
   out.metrics["loss"] = gen_loss + fl;
   return out;
+}
+
+MethodRegistration dmd2_registration() {
+  MethodRegistration r;
+  r.name = method_name(MethodKind::kDmd2);
+  // The critic's own AdamW: the method's fake_score_* learning rate, betas and schedule
+  // (weight decay and eps of training.optimizer).
+  r.optimizers = [](const RunConfig& run) {
+    const auto& d = run.method.dmd2;
+    OptimizerSpec critic = default_optimizer_spec(run, "critic");
+    critic.learning_rate = d.fake_score_learning_rate;
+    critic.betas = d.fake_score_betas;
+    critic.schedule = d.fake_score_lr_scheduler;
+    return std::vector<OptimizerSpec>{default_optimizer_spec(run, "student"), critic};
+  };
+  r.create = [](const RunConfig& run, const RoleMap& roles) -> std::unique_ptr<TrainingMethod> {
+    return std::make_unique<Dmd2Method>(run, roles.at("student"), roles.at("teacher"), roles.at("critic"));
+  };
+  r.supervision = [](const RunConfig& run, const Role& student) {
+    const auto& d = run.method.dmd2;
+    nlohmann::json sup;
+    sup["objective"] = "distribution_matching_distillation_dmd2";
+    sup["generator_loss"] = "0.5 mean((x0 - sg(x0 - grad))^2), grad = nan_to_num((critic_x0 - teacher_cfg_x0) / "
+                            "mean|x0 - teacher_cfg_x0|), fp32";
+    sup["critic_loss"] = "mean((v_critic - (noise - x0_student))^2) in fp32 on an independent no-grad rollout";
+    sup["rollout_mode"] = rollout_mode_name(d.rollout_mode);
+    sup["dmd_denoising_steps"] = d.dmd_denoising_steps;
+    sup["generator_update_interval"] = d.generator_update_interval;
+    sup["real_score_guidance_scale"] = d.real_score_guidance_scale;
+    sup["score_timestep"] = {{"shift", run.pipeline.flow_shift.value_or(student.config.flow_shift)},
+                             {"min_ratio", d.min_timestep_ratio},
+                             {"max_ratio", d.max_timestep_ratio}};
+    sup["unconditional_text"] = d.cfg_uncond ? d.cfg_uncond->text : std::string("negative_prompt");
+    if (!d.negative_prompt_embedding.empty()) sup["negative_prompt_embedding"] = d.negative_prompt_embedding;
+    return sup;
+  };
+  // The few-step DMD sampler on sampling_timesteps (else method.dmd_denoising_steps).
+  r.validation_sampler = [](const RunConfig& run) {
+    ValidationSampler s;
+    s.name = "DMD sampler";
+    std::vector<double> ts = run.callbacks.validation.sampling_timesteps;
+    if (ts.empty()) ts = run.method.dmd2.dmd_denoising_steps;
+    s.sample = [ts](Role& student, const torch::Tensor& noise, const torch::Tensor& text, torch::Generator& gen,
+                    std::string* description) {
+      auto latents = dmd_sample(*student.model, student.grid, noise, text, ts, gen);
+      if (description) *description = "dmd, timesteps " + nlohmann::json(ts).dump();
+      return latents;
+    };
+    return s;
+  };
+  return r;
 }
 
 }  // namespace vqad::train
