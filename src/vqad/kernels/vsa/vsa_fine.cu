@@ -28,18 +28,22 @@
 #include "vqad/core/error.h"
 #include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
 #include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/common/sm90_ptx.cuh"
 #include "vqad/kernels/vsa/vsa_internal.cuh"
 #include "vqad/kernels/vsa/vsa_kernels.h"
 
 namespace vqad::kernels::vsa {
 namespace {
 
-using attn_bwd::cp_async16;
-using attn_bwd::cp_async_commit;
-using attn_bwd::cp_async_wait;
-using attn_bwd::fast_exp2;
-using attn_bwd::pack_bf16;
-using attn_bwd::smem_u32;
+using nvfp4_device::div6;
+using nvfp4_device::e2m1_rne_magnitude;
+using nvfp4_device::e4m3_bytes2;
+using sm90::cp_async16;
+using sm90::cp_async_commit;
+using sm90::cp_async_wait;
+using sm90::fast_exp2;
+using sm90::pack_bf16;
 using bf16 = __nv_bfloat16;
 
 constexpr int kD = kVsaHeadDim;
@@ -54,21 +58,12 @@ static_assert(kVsaTileBlocks == 1, "the fine kernels update the running max once
 // XOR-swizzled by row % 8 (conflict-free ldmatrix phases).
 __device__ __forceinline__ int swz(int row, int chunk) { return row * kD + ((chunk ^ (row & 7)) << 3); }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) { sm90::ldmatrix_x4(r, sm90::smem_addr(p)); }
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
+  sm90::ldmatrix_x4_trans(r, sm90::smem_addr(p));
 }
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  sm90::mma_bf16_m16n8k16(c, a, b0, b1);
 }
 
 // Copies the 64 x 128 tile starting at `src` (contiguous rows of 128) into a swizzled tile.
@@ -127,15 +122,8 @@ struct FineParams {
 // ---------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------
-// E4M3 bytes (round-to-nearest-even, satfinite) of two non-negative values.
-__device__ __forceinline__ uint32_t e4m3_bytes2(float a, float b) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-}
-// Nearest E2M1 magnitude of a >= 0, ties to even, saturating at 6 (as the dense forward).
-__device__ __forceinline__ float e2m1_rne_magnitude(float a) {
-  const float magic = a < 2.0f ? 4194304.0f : (a < 4.0f ? 8388608.0f : 16777216.0f);
-  return fminf(__fsub_rn(__fadd_rn(a, magic), magic), 6.0f);
-}
+// P^ of one element (as the dense forward): with S = 0 (amax <= 6 * 2^-10) inv = inf and
+// every element becomes 6 * 0 = +0, the zero block.
 __device__ __forceinline__ float fq_p(float p, float S, float inv) { return e2m1_rne_magnitude(p * inv) * S; }
 
 // bf16 fragments of P (pa) and P^ (qa) of one 16-key group from the S accumulator slices
@@ -167,7 +155,7 @@ __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&
     am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 1));
     am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 2));
     am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 2));
-    const uint32_t sbytes = e4m3_bytes2(attn_bwd::div6(am0), attn_bwd::div6(am1));
+    const uint32_t sbytes = e4m3_bytes2(div6(am0), div6(am1));
     const float2 s0 = table[sbytes & 0x7F];
     const float2 s1 = table[(sbytes >> 8) & 0x7F];
     qa[0] = pack_bf16(fq_p(pr[0], s0.x, s0.y), fq_p(pr[1], s0.x, s0.y));
@@ -318,6 +306,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams 
     }
     __syncthreads();  // the next prefetch overwrites this stage
   }
+  cp_async_wait<0>();  // nothing in flight at exit (an empty visit list leaves the first loads)
 
   const int r0 = qb * kBT + warp * 16 + g;  // tiled rows of this lane: r0, r0 + 8
   const float l0 = lacc[0], l1 = lacc[2];
@@ -491,6 +480,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_dkdv_kernel(const FineParams
     }
     __syncthreads();
   }
+  cp_async_wait<0>();
 
   // Every row of the block is written (zeros where no query cube selected it).
   bf16* dk_base = p.o + head_off;
@@ -625,6 +615,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_dq_kernel(const FineParams p
     }
     __syncthreads();
   }
+  cp_async_wait<0>();
 
   bf16* dq_base = p.o + head_off;
 #pragma unroll

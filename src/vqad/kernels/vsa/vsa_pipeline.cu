@@ -18,6 +18,7 @@
 
 #include "vqad/core/error.h"
 #include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/nvfp4_device.cuh"
 #include "vqad/kernels/vsa/vsa_internal.cuh"
 #include "vqad/kernels/vsa/vsa_kernels.h"
 
@@ -29,14 +30,8 @@ constexpr int kD = kVsaHeadDim;
 constexpr int kBT = kVsaBlockTokens;
 
 // --- NVFP4 fake quantization of 16 channels (launch_fake_quant_qkv's arithmetic) ---------
-__device__ __forceinline__ float e4m3_rn_satfinite(float x) {
-  const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));
-}
-__device__ __forceinline__ float e2m1_rne_magnitude(float a) {
-  const float magic = a < 2.0f ? 4194304.0f : (a < 4.0f ? 8388608.0f : 16777216.0f);
-  return fminf(__fsub_rn(__fadd_rn(a, magic), magic), 6.0f);
-}
+using nvfp4_device::e2m1_rne_magnitude;
+using nvfp4_device::e4m3_rn_satfinite;
 __device__ __forceinline__ void fake_quantize16(float* x) {
   float amax = 0.0f;
   bool has_nan = false;
