@@ -9,6 +9,12 @@
 #include "vqad/core/error.h"
 #include "vqad/version.h"
 
+namespace vqad::cli {
+// Registered here rather than in commands.h: cli/cmd_export.cpp and cli/cmd_sample.cpp.
+void register_export_commands(CLI::App& app);
+void register_sample_commands(CLI::App& app);
+}  // namespace vqad::cli
+
 int main(int argc, char** argv) {
   CLI::App app{
       "vqad - NVFP4 quantization-aware training and distillation for video diffusion "
@@ -17,6 +23,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   vqad::cli::register_version_commands(app);
   vqad::cli::register_train_commands(app);
+  vqad::cli::register_export_commands(app);
+  vqad::cli::register_sample_commands(app);
   vqad::cli::register_plot_commands(app);
   vqad::cli::register_config_commands(app);
   vqad::cli::register_op_attention_commands(app);
