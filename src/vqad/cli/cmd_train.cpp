@@ -1,4 +1,4 @@
-// `vqad train`, `vqad export`, `vqad lineage`.
+// `vqad demo`, `vqad train`, `vqad lineage` (`vqad export` is in cmd_export.cpp).
 #include <iostream>
 
 #include "vqad/cli/commands.h"
@@ -61,22 +61,6 @@ void register_train_commands(CLI::App& app) {
       if (!s.losses.empty()) std::cout << ", final loss " << s.losses.back();
       std::cout << "\n";
       for (const auto& c : s.checkpoints) std::cout << "checkpoint " << c << "\n";
-      return 0;
-    });
-  }
-  {
-    auto* sub = app.add_subcommand("export", "Export a role of a checkpoint as a Diffusers transformer directory");
-    auto ckpt = std::make_shared<std::string>();
-    auto out = std::make_shared<std::string>();
-    auto role = std::make_shared<std::string>("student");
-    auto overwrite = std::make_shared<bool>(false);
-    sub->add_option("checkpoint", *ckpt, "checkpoint-<step> directory")->required();
-    sub->add_option("out_dir", *out, "output directory (transformer/ + metadata.json)")->required();
-    sub->add_option("--role", *role, "role to export (default student)");
-    sub->add_flag("--overwrite", *overwrite, "replace an existing output directory");
-    set_action(sub, [=] {
-      auto dir = train::export_checkpoint(*ckpt, *out, *role, *overwrite);
-      std::cout << "exported " << *role << " of " << *ckpt << " to " << dir << "\n";
       return 0;
     });
   }

@@ -10,8 +10,11 @@
 #include "vqad/version.h"
 
 namespace vqad::cli {
-// Declared here rather than in commands.h so that adding the media module rebuilds only main.cpp.
+// Registered here rather than in commands.h (adding a module rebuilds only main.cpp):
+// cli/cmd_media.cpp, cli/cmd_export.cpp, cli/cmd_sample.cpp.
 void register_media_commands(CLI::App& app);
+void register_export_commands(CLI::App& app);
+void register_sample_commands(CLI::App& app);
 }  // namespace vqad::cli
 
 int main(int argc, char** argv) {
@@ -22,6 +25,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   vqad::cli::register_version_commands(app);
   vqad::cli::register_train_commands(app);
+  vqad::cli::register_export_commands(app);
+  vqad::cli::register_sample_commands(app);
   vqad::cli::register_plot_commands(app);
   vqad::cli::register_media_commands(app);
   vqad::cli::register_config_commands(app);
