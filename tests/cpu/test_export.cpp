@@ -205,7 +205,13 @@ void round_trip(QuantMethod method, const std::string& name) {
                              {.format = "nvfp4", .swizzled_scales = true});
   auto t2 = vqad::io::load_safetensors((dir / "packed2/transformer/diffusion_pytorch_model.safetensors").string());
   ASSERT_EQ(t2.size(), tensors.size());
-  for (const auto& [k, v] : tensors) EXPECT_TRUE(torch::equal(v.view(torch::kUInt8), t2.at(k).view(torch::kUInt8))) << k;
+  for (const auto& [k, v] : tensors) {
+    const torch::Tensor w2 = t2.at(k);
+    ASSERT_EQ(v.scalar_type(), w2.scalar_type()) << k;
+    EXPECT_TRUE(v.element_size() == 1 ? torch::equal(v.view(torch::kUInt8), w2.view(torch::kUInt8))
+                                      : torch::equal(v, w2))
+        << k;
+  }
   const auto meta2 = vqad::train::read_metadata((dir / "packed2").string());
   EXPECT_EQ(meta2.at("export").at("source_kind"), "export");
   EXPECT_EQ(meta2.at("export").at("source_export").at("role"), "student");

@@ -128,8 +128,8 @@ TEST(ExportSample, DemoStage2ExportSamplesTheReportLatents) {
     return std::make_pair(WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, text);
   };
   auto [rc, demo_log] = run("demo --out " + out.string() +
-                            " --teacher-steps 4 --stage1-steps 2 --stage2-steps 2 --train-rows 8",
-                        dir / "demo.log");
+                                " --teacher-steps 4 --stage1-steps 2 --stage2-steps 2 --train-rows 8",
+                            dir / "demo.log");
   ASSERT_EQ(rc, 0) << demo_log;
   const fs::path stage2 = out / "stage2_export";
 
