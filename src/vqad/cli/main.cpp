@@ -15,6 +15,7 @@ namespace vqad::cli {
 void register_media_commands(CLI::App& app);
 void register_export_commands(CLI::App& app);
 void register_sample_commands(CLI::App& app);
+void register_bench_vae_commands(CLI::App& app);  // bench/bench_vae.cpp
 }  // namespace vqad::cli
 
 int main(int argc, char** argv) {
@@ -29,6 +30,7 @@ int main(int argc, char** argv) {
   vqad::cli::register_sample_commands(app);
   vqad::cli::register_plot_commands(app);
   vqad::cli::register_media_commands(app);
+  vqad::cli::register_bench_vae_commands(app);
   vqad::cli::register_config_commands(app);
   vqad::cli::register_op_attention_commands(app);
   vqad::cli::register_nvfp4_commands(app);
