@@ -9,6 +9,10 @@
 #include "vqad/core/error.h"
 #include "vqad/version.h"
 
+namespace vqad::cli {
+void register_launch_commands(CLI::App& app);  // cmd_launch.cpp: `vqad launch`, `vqad dist check`
+}
+
 int main(int argc, char** argv) {
   CLI::App app{
       "vqad - NVFP4 quantization-aware training and distillation for video diffusion "
@@ -17,6 +21,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   vqad::cli::register_version_commands(app);
   vqad::cli::register_train_commands(app);
+  vqad::cli::register_launch_commands(app);
   vqad::cli::register_plot_commands(app);
   vqad::cli::register_config_commands(app);
   vqad::cli::register_op_attention_commands(app);
