@@ -152,17 +152,17 @@ TEST(DistCollectives, RankZeroHostsTheStoreWithoutTheLauncher) {
 
 TEST(DistFaults, KilledRankIsNamedByEveryOtherRank) {
   auto dir = fresh("kill");
-  auto r = test_dist::run_vqad("launch --nproc 3 --grace 20 dist check --timeout 5 --fault-rank 1 --fault kill",
+  auto r = test_dist::run_vqad("launch --nproc 3 --grace 60 dist check --timeout 60 --fault-rank 1 --fault kill",
                                dir / "log");
   EXPECT_NE(r.exit_code, 0) << r.output;
   // The launcher names the first failure; ranks 0 and 2 name rank 1 and their collective.
   EXPECT_TRUE(contains(r.output, "launch: rank 1 of 3 failed first (was killed by signal 9")) << r.output;
   for (int k : {0, 2})
-    EXPECT_TRUE(contains(r.output, "of group world (3 ranks, timeout 5 s) failed on rank " + std::to_string(k) +
+    EXPECT_TRUE(contains(r.output, "of group world (3 ranks, timeout 60 s) failed on rank " + std::to_string(k) +
                                        ": rank 1 failed: was killed by signal 9"))
         << r.output;
   EXPECT_TRUE(contains(r.output, "all_reduce(check floats) #2")) << r.output;
-  EXPECT_LT(r.seconds, 20.0) << r.output;  // well inside the grace period: nobody waited for the timeout
+  EXPECT_LT(r.seconds, 30.0) << r.output;  // nobody waited for a timeout
   fs::remove_all(dir);
 }
 
@@ -176,8 +176,9 @@ TEST(DistFaults, HungRankIsNamedWhenTheTimeoutPasses) {
                                        std::to_string(k) + ": rank 2 has not reached it (it is finished "
                                        "all_reduce(check ints) #1 of group world)"))
         << r.output;
-  // timeout 2 s + diagnosis (<= 2.5 s) + grace 1 s + SIGTERM, plus process start-up.
-  EXPECT_LT(r.seconds, 15.0) << r.output;
+  // timeout 2 s + diagnosis (<= 2.5 s) + grace 1 s + SIGTERM, plus process start-up (slow on a
+  // loaded 2-core machine).
+  EXPECT_LT(r.seconds, 30.0) << r.output;
   fs::remove_all(dir);
 }
 
@@ -189,7 +190,7 @@ TEST(DistFaults, DeadRankWithoutLauncherIsNamedFromItsHeartbeat) {
   std::string line = "sh -c '";
   for (int r = 0; r < 3; ++r)
     line += "(RANK=" + std::to_string(r) + " WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-            " " + VQAD_BINARY + " dist check --timeout 10 --fault-rank 1 --fault exit; echo rc" + std::to_string(r) +
+            " " + VQAD_BINARY + " dist check --timeout 60 --fault-rank 1 --fault exit; echo rc" + std::to_string(r) +
             "=$?) & ";
   line += "wait'";
   auto r = test_dist::run_shell(line, dir / "log");
@@ -198,7 +199,7 @@ TEST(DistFaults, DeadRankWithoutLauncherIsNamedFromItsHeartbeat) {
   EXPECT_TRUE(contains(r.output, "rc2=1")) << r.output;
   // Rank 0 hosts the store, so its own diagnosis always completes.
   EXPECT_TRUE(contains(r.output, "failed on rank 0: rank 1 stopped responding (no heartbeat for")) << r.output;
-  EXPECT_LT(r.seconds, 10.0) << r.output;  // before the 10 s collective timeout
+  EXPECT_LT(r.seconds, 45.0) << r.output;  // well before the 60 s collective timeout
   fs::remove_all(dir);
 }
 
