@@ -16,6 +16,7 @@ void register_media_commands(CLI::App& app);
 void register_export_commands(CLI::App& app);
 void register_sample_commands(CLI::App& app);
 void register_bench_vae_commands(CLI::App& app);  // bench/bench_vae.cpp
+void register_launch_commands(CLI::App& app);  // cmd_launch.cpp: `vqad launch`, `vqad dist check`
 }  // namespace vqad::cli
 
 int main(int argc, char** argv) {
@@ -28,6 +29,7 @@ int main(int argc, char** argv) {
   vqad::cli::register_train_commands(app);
   vqad::cli::register_export_commands(app);
   vqad::cli::register_sample_commands(app);
+  vqad::cli::register_launch_commands(app);
   vqad::cli::register_plot_commands(app);
   vqad::cli::register_media_commands(app);
   vqad::cli::register_bench_vae_commands(app);

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <optional>
+#include <sstream>
 
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
@@ -14,6 +16,9 @@
 #include "vqad/data/dataset.h"
 #include "vqad/data/loader.h"
 #include "vqad/data/sampler.h"
+#include "vqad/dist/batch_random.h"
+#include "vqad/dist/data_parallel.h"
+#include "vqad/dist/memory.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/train/checkpoint_dir.h"
 #include "vqad/train/metadata.h"
@@ -52,6 +57,7 @@ struct Trainer::Impl {
   std::unique_ptr<TrainingMethod> method;
   std::unique_ptr<ValidationRunner> validation;
   std::optional<DevicePeak> peak;  // MFU denominator (none: no MFU)
+  std::unique_ptr<dist::DataParallel> dp;  // null in a one-process run
   torch::Generator gen;
   long start_step = 0;
   std::string started_at;
@@ -77,10 +83,12 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   }
   VQAD_CHECK(!tc.checkpoint.output_dir.empty(), "training.checkpoint.output_dir is empty (where should checkpoints go?)");
   VQAD_CHECK(tc.loop.max_train_steps > 0, "training.loop.max_train_steps must be > 0, found ", tc.loop.max_train_steps);
-  VQAD_CHECK(tc.distributed.num_gpus == 1, "training.distributed.num_gpus = ", tc.distributed.num_gpus,
-             ": this vqad build trains on one device (multi-GPU sharding is not available yet); run the recipe "
-             "on one GPU with --training.distributed.num_gpus 1 --training.distributed.sp_size 1 "
-             "--training.distributed.hsdp_replicate_dim 1 --training.distributed.hsdp_shard_dim 1");
+  {
+    const auto& d = tc.distributed;
+    // A dry run builds and prints in one process, whatever the mesh.
+    if (!options_.dry_run)
+      impl_->dp = dist::DataParallel::create({d.num_gpus, d.sp_size, d.hsdp_replicate_dim, d.hsdp_shard_dim});
+  }
   VQAD_CHECK(!tc.data.data_path.empty(), "training.data.data_path: no dataset path given");
   VQAD_CHECK(tc.dit_precision == "fp32", "training.dit_precision: vqad keeps FP32 master weights (found '",
              tc.dit_precision, "')");
@@ -113,14 +121,17 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   dspec.ode_anchor_indices = tc.data.ode_anchor_indices;
   impl_->dataset = data::make_dataset(dspec);
   log::info("data: ", impl_->dataset->description());
-  auto sopt = data::sampler_options_for_rank(impl_->dataset->size(), tc.data.train_batch_size, 1, 1, 0, tc.data.seed);
+  const int64_t dp_rank = impl_->dp ? impl_->dp->dp_rank() : 0, dp_size = impl_->dp ? impl_->dp->dp_size() : 1;
+  dist::set_batch_shard({dp_rank, dp_size});
+  auto sopt = data::sampler_options_for_rank(impl_->dataset->size(), tc.data.train_batch_size, dp_size, 1, dp_rank,
+                                             tc.data.seed);
   impl_->loader = std::make_unique<data::PrefetchLoader>(impl_->dataset, data::DpSpBatchSampler(sopt), 2);
 
   // The method's optimizers (one per trainable role), the method, its validation.
   impl_->optimizers = build_optimizers(run_, method, roles_);
   impl_->method = method.create(run_, roles_);
   const auto& vc = run_.callbacks.validation;
-  if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start))
+  if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start) && (!impl_->dp || impl_->dp->is_main()))
     impl_->validation = std::make_unique<ValidationRunner>(run_, student, options_.device);
   if (options_.device.is_cuda() && method.mfu_is_student_forward_backward) {
     impl_->peak = device_peak_flops(options_.device);
@@ -149,6 +160,26 @@ void Trainer::print_dry_run() const {
   }
   std::cout << "# memory estimate (parameters, gradients, optimizer state; activations not included): " << total_gib
             << " GiB\n";
+  // Per GPU for the configured mesh.
+  const auto& d = run_.training.distributed;
+  const auto& dc = run_.training.data;
+  std::vector<dist::RoleFootprint> fp;
+  for (const auto& [name, role] : roles_) fp.push_back({name, role->model->config(), role->config.trainable});
+  const auto& student = *roles_.at("student");
+  const auto& ps = student.model->config().patch_size;
+  dist::MemoryMesh mm;
+  mm.replicate = d.hsdp_replicate_dim;
+  mm.shard = d.hsdp_shard_dim;
+  mm.sp = d.sp_size;
+  mm.batch = dc.train_batch_size;
+  if (dc.num_latent_t > 0 && dc.num_height > 0 && dc.num_width > 0)
+    mm.tokens_per_sample = dc.num_latent_t / ps[0] * (dc.num_height / 8 / ps[1]) * (dc.num_width / 8 / ps[2]);
+  mm.activation_checkpointing = student.config.enable_gradient_checkpointing_type == "full";
+  const auto est = dist::estimate_memory(fp, mm);
+  std::cout << "# per-GPU memory estimate, mesh " << d.num_gpus << " GPUs = replicate " << d.hsdp_replicate_dim
+            << " x shard " << d.hsdp_shard_dim << ", sp " << d.sp_size << ":\n";
+  std::istringstream lines(est.text);
+  for (std::string l; std::getline(lines, l);) std::cout << "#   " << l << "\n";
 }
 
 TrainSummary Trainer::run() {
@@ -163,9 +194,21 @@ TrainSummary Trainer::run() {
     log::info("resuming from ", resume->path, " (step ", resume->step, ")");
     I.start_step = load_trainer_checkpoint(*resume, run_, roles_, I.optimizers, *I.loader, I.gen);
   }
-  MetricsWriter metrics = resume ? MetricsWriter::open_for_resume((fs::path(out) / "metrics.jsonl").string(), I.start_step)
-                                 : MetricsWriter((fs::path(out) / "metrics.jsonl").string(), false);
-  if (!resume) st::write_file_atomic((fs::path(out) / "resolved.yaml").string(), {run_.resolved_yaml});
+  const bool main_rank = !I.dp || I.dp->is_main();  // logs, metrics and checkpoints
+  std::optional<MetricsWriter> metrics;
+  if (main_rank) {
+    if (resume)
+      metrics.emplace(MetricsWriter::open_for_resume((fs::path(out) / "metrics.jsonl").string(), I.start_step));
+    else
+      metrics.emplace((fs::path(out) / "metrics.jsonl").string(), false);
+    if (!resume) st::write_file_atomic((fs::path(out) / "resolved.yaml").string(), {run_.resolved_yaml});
+  }
+  if (I.dp) {
+    // Same build and config on every rank, then rank 0's weights everywhere.
+    I.dp->check_same("vqad executable sha256", dist::executable_sha256());
+    I.dp->check_same("resolved config sha256", run_.resolved_sha256);
+    for (auto& [name, role] : roles_) I.dp->broadcast_parameters(role->model->parameters(), "parameters " + name);
+  }
 
   const long max_steps = tc.loop.max_train_steps;
   const long accum = std::max<long>(1, tc.loop.gradient_accumulation_steps);
@@ -173,15 +216,22 @@ TrainSummary Trainer::run() {
   auto student = roles_.at("student");
   const auto t_run = std::chrono::steady_clock::now();
   std::unique_ptr<Progress> bar;
-  if (options_.progress) bar = std::make_unique<Progress>("train", max_steps - I.start_step, "step");
+  if (options_.progress && main_rank) bar = std::make_unique<Progress>("train", max_steps - I.start_step, "step");
   summary.first_step = I.start_step + 1;
   long last_saved = -1;
   auto save = [&](long step) {
+    if (I.dp && !I.dp->is_main()) {  // replicated state: rank 0 writes, the others wait for it
+      I.dp->barrier("checkpoint " + std::to_string(step));
+      last_saved = step;
+      return;
+    }
+    const nlohmann::json mesh = I.dp ? I.dp->mesh_json() : nlohmann::json{{"world_size", 1}};
     summary.checkpoints.push_back(
-        save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, *I.loader, I.gen, I.started_at));
+        save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, *I.loader, I.gen, I.started_at, mesh));
     last_saved = step;
+    if (I.dp) I.dp->barrier("checkpoint " + std::to_string(step));
   };
-  if (I.validation && I.validation->at_start() && I.start_step == 0) metrics.log(0, I.validation->run(0));
+  if (I.validation && I.validation->at_start() && I.start_step == 0) metrics->log(0, I.validation->run(0));
 
   for (long step = I.start_step + 1; step <= max_steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -194,6 +244,15 @@ TrainSummary Trainer::run() {
       for (const auto& [k, v] : r.metrics) rec[k] += v / static_cast<double>(accum);
       for (const auto& [k, v] : r.role_loss) role_loss[k] += v / static_cast<double>(accum);
       tokens += r.tokens;
+    }
+    if (I.dp) {
+      // One gradient all-reduce per updated role and step (none per micro-batch); the losses
+      // every rank logs and checks are the global averages.
+      for (const auto& name : I.method->roles_to_update(step))
+        I.dp->average_gradients(roles_.at(name)->trainable_parameters(), name);
+      I.dp->average_metrics(rec, "step metrics");
+      I.dp->average_metrics(role_loss, "role losses");
+      tokens = static_cast<int64_t>(I.dp->sum(static_cast<double>(tokens), "tokens"));
     }
     const double loss = rec.at("loss");
     for (const auto& name : I.method->roles_to_update(step)) {
@@ -230,13 +289,15 @@ TrainSummary Trainer::run() {
     rec["mem_peak_gib"] = peak_memory_gib(options_.device);
     if (I.peak) {
       const auto& mc = student->model->config();
-      const int64_t per_sample = tokens / std::max<int64_t>(1, tc.data.train_batch_size * accum);
-      rec["mfu"] = step_flops(mc, per_sample, tc.data.train_batch_size * accum, mc.text_len) / dt /
-                   I.peak->bf16_dense_flops;
+      // tokens are the global batch's; MFU is per device.
+      const int64_t dp = I.dp ? I.dp->dp_size() : 1, world = I.dp ? I.dp->world_size() : 1;
+      const int64_t per_sample = tokens / std::max<int64_t>(1, tc.data.train_batch_size * accum * dp);
+      rec["mfu"] = step_flops(mc, per_sample, tc.data.train_batch_size * accum * dp, mc.text_len) / dt /
+                   I.peak->bf16_dense_flops / static_cast<double>(world);
     }
     if (I.validation && I.validation->due(step))
       for (const auto& [k, v] : I.validation->run(step)) rec[k] = v;
-    metrics.log(step, rec);
+    if (metrics) metrics->log(step, rec);
     summary.losses.push_back(loss);
     summary.last_step = step;
     if (bar) {

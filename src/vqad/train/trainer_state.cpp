@@ -52,7 +52,8 @@ std::vector<std::string> checkpointed_roles(const RunConfig& run) {
 
 std::string save_trainer_checkpoint(const RunConfig& run, const RoleMap& roles, const std::string& output_dir,
                                     long step, const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
-                                    torch::Generator& gen, const std::string& started_at) {
+                                    torch::Generator& gen, const std::string& started_at,
+                                    const nlohmann::json& mesh) {
   auto path = write_checkpoint_dir(output_dir, step, [&](const std::string& dir) {
     nlohmann::json updates = nlohmann::json::object();
     for (const auto& name : checkpointed_roles(run)) {
@@ -66,9 +67,12 @@ std::string save_trainer_checkpoint(const RunConfig& run, const RoleMap& roles, 
     state["data"] = loader.state();
     state["generator_state"] = hex_encode(gen.get_state());
     state["optimizer_updates"] = updates;
+    state["distributed"] = mesh;
     st::write_file_atomic((fs::path(dir) / "trainer_state.json").string(), {state.dump(2) + "\n"});
     st::write_file_atomic((fs::path(dir) / "resolved.yaml").string(), {run.resolved_yaml});
-    write_metadata(dir, build_metadata(run, roles, step, started_at));
+    auto meta = build_metadata(run, roles, step, started_at);
+    meta["distributed"] = mesh;
+    write_metadata(dir, meta);
   });
   apply_retention(output_dir, static_cast<int>(run.training.checkpoint.checkpoints_total_limit));
   log::info("checkpoint ", path);

@@ -3,6 +3,7 @@
 // (step, data position, generator state, per-role optimizer update counts),
 // resolved.yaml and metadata.json; written atomically (checkpoint_dir.h).
 #pragma once
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <string>
@@ -17,7 +18,8 @@ namespace vqad::train {
 // Writes checkpoint-<step> under output_dir, applies checkpoints_total_limit; returns its path.
 std::string save_trainer_checkpoint(const RunConfig& run, const RoleMap& roles, const std::string& output_dir,
                                     long step, const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
-                                    torch::Generator& gen, const std::string& started_at);
+                                    torch::Generator& gen, const std::string& started_at,
+                                    const nlohmann::json& mesh = nlohmann::json{{"world_size", 1}});
 
 // Restores the checkpointed roles' weights and optimizers, the data position, the
 // generator and the update counts; returns the checkpoint's step.

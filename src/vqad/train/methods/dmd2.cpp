@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "vqad/core/error.h"
+#include "vqad/dist/batch_random.h"
 #include "vqad/core/log.h"
 #include "vqad/data/text_embeddings.h"
 #include "vqad/train/methods/registry.h"
@@ -125,7 +126,7 @@ torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vecto
   const auto dev = text.device();
   const int64_t n = static_cast<int64_t>(steps_.size());
   const int64_t j = at::randint(0, n, {1}, gen, torch::TensorOptions(torch::kInt64)).item<int64_t>();
-  auto noise = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
+  auto noise = dist::randn_batch(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
   const int64_t B = shape[0];
   torch::Tensor input;
   if (cfg_.rollout_mode == RolloutMode::kDataLatent) {
@@ -139,7 +140,7 @@ torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vecto
       torch::NoGradGuard ng;
       for (int64_t i = 0; i + 1 < n; ++i) {
         auto x0 = predict_x0(*student_, x, steps_[i], text);
-        auto fresh = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
+        auto fresh = dist::randn_batch(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
         x = student_->grid.add_noise(x0, fresh, torch::full({B}, steps_[i + 1], torch::kFloat64));
         kept.push_back(x);
       }
@@ -157,7 +158,7 @@ DmdLossParts Dmd2Method::dmd_loss(const torch::Tensor& x0, const torch::Tensor& 
     torch::NoGradGuard ng;
     const auto dtype = critic_->model->options().compute_dtype;
     p.timestep = score_timestep(gen);
-    auto noise = at::randn(x0.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(x0.device(), dtype);
+    auto noise = dist::randn_batch(x0.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(x0.device(), dtype);
     const int64_t B = x0.size(0);
     auto x_t = student_->grid.add_noise(x0.detach().to(dtype), noise, torch::full({B}, p.timestep, torch::kFloat64));
     p.critic_x0 = predict_x0(*critic_, x_t, p.timestep, text);
@@ -200,7 +201,7 @@ MethodStepResult Dmd2Method::micro_step(const data::Batch& batch, torch::Generat
   }
   torch::Tensor x0_c = rollout(x0_data, shape, text, gen, false);
   const double t_f = score_timestep(gen);
-  auto n_f = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(device, critic_->model->options().compute_dtype);
+  auto n_f = dist::randn_batch(shape, gen, torch::TensorOptions(torch::kFloat32)).to(device, critic_->model->options().compute_dtype);
   const int64_t B = shape[0];
   auto tt = torch::full({B}, t_f, torch::kFloat64);
   auto x_f = critic_->grid.add_noise(x0_c, n_f, tt);

@@ -5,6 +5,7 @@
 #include "vqad/core/error.h"
 #include "vqad/train/methods/registry.h"
 #include "vqad/train/sampling.h"
+#include "vqad/dist/batch_random.h"
 
 namespace vqad::train {
 
@@ -21,9 +22,9 @@ SftMethod::SftMethod(const RunConfig& run, std::shared_ptr<Role> student)
 std::vector<int64_t> SftMethod::sample_indices(int64_t batch, torch::Generator& gen) const {
   torch::Tensor u;
   if (cfg_.weighting_scheme == "logit_normal") {
-    u = torch::sigmoid(at::normal(cfg_.logit_mean, cfg_.logit_std, {batch}, gen, torch::TensorOptions(torch::kFloat64)));
+    u = torch::sigmoid(dist::normal_batch(cfg_.logit_mean, cfg_.logit_std, {batch}, gen, torch::TensorOptions(torch::kFloat64)));
   } else {
-    u = at::rand({batch}, gen, torch::TensorOptions(torch::kFloat64));
+    u = dist::rand_batch({batch}, gen, torch::TensorOptions(torch::kFloat64));
     if (cfg_.weighting_scheme == "mode") {
       const double pi = 3.14159265358979323846;
       u = 1.0 - u - cfg_.mode_scale * (torch::cos(pi * u / 2.0).pow(2) - 1.0 + u);
@@ -39,7 +40,7 @@ SftStepResult SftMethod::loss(const data::Batch& batch, torch::Generator& gen, t
   VQAD_CHECK(batch.latent.defined(), "sft needs latents: the dataset is text_only (use a t2v dataset)");
   const auto dtype = student_->model->options().compute_dtype;
   auto x0 = batch.latent.to(device, dtype);
-  auto noise = at::randn(batch.latent.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(device, dtype);
+  auto noise = dist::randn_batch(batch.latent.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(device, dtype);
   const int64_t B = x0.size(0);
   auto idx = sample_indices(B, gen);
   std::vector<double> tv(B);
