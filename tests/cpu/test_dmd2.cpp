@@ -324,7 +324,7 @@ TEST(Dmd2Recipes, StageTwoAndSparseDmd2LoadWithTheSeedValues) {
   EXPECT_FALSE(q.role("teacher").trainable);
   EXPECT_EQ(q.training.checkpoint.checkpoints_total_limit, 3);
 
-  auto sp = train::load_run_config(std::string(VQAD_SOURCE_DIR) + "/configs/sparse_qad/dmd2.yaml");
+  auto sp = train::load_run_config(std::string(VQAD_SOURCE_DIR) + "/configs/sparse_qad/stage2_dmd2.yaml");
   const auto& s = sp.method.dmd2;
   EXPECT_EQ(s.rollout_mode, train::RolloutMode::kSimulate);
   ASSERT_EQ(s.dmd_denoising_steps.size(), 3u);

@@ -90,6 +90,12 @@ struct Batch {
   torch::Tensor latent;     // [B, 16, T, H, W] (undefined for text_only)
   torch::Tensor text;       // [B, text_len, D]
   torch::Tensor text_mask;  // [B, text_len]
+  // ODE-trajectory pairs (undefined / empty for parquet rows).
+  torch::Tensor ode_start;    // [B, 16, T, H, W] cached teacher state at the anchor (undefined otherwise)
+  torch::Tensor ode_target;   // [B, 16, T, H, W] cached clean endpoint x_48
+  torch::Tensor ode_sigma;    // FP32 [B], the schedule's exact sigma of the anchor
+  torch::Tensor ode_timestep; // FP32 [B], fp32(1000 * sigma)
+  std::vector<int64_t> ode_teacher_step;  // [B] teacher step index of each anchor
 };
 
 // Sorted list of *.parquet files under root (root may also be one file).

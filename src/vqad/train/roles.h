@@ -26,6 +26,10 @@ struct Role {
   std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> quants;
   std::string init_kind;            // "random" | "diffusers" | "vqad_export"
   nlohmann::json parent_metadata;   // metadata.json of a vqad export init_from (else null)
+  // Trainable scope (train/param_groups.h) when the method restricts it: the listed
+  // module names and the resolved trainable parameter names. Empty: every parameter of a
+  // trainable role trains.
+  std::vector<std::string> trainable_modules, trainable_names;
 
   std::vector<torch::Tensor> trainable_parameters() const;
 };
@@ -45,6 +49,11 @@ std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_n
 // Builds the quant plan of `config` for the model's linears and attaches it.
 std::pair<model::QuantPlan, std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>>
 attach_quant_plan(model::WanModel& model, const model::QuantConfig& config);
+
+// The architecture a role will have, read without loading weights (the preset of
+// random:<preset>, else the transformer config.json of init_from). Errors name
+// models.<role>.init_from.
+model::WanConfig role_architecture(const RunConfig& run, const std::string& role_name);
 
 // Wan model kind for metadata: "wan-t2v-1.3b", "wan-t2v-14b", or "wan-t2v-custom".
 std::string wan_model_kind(const model::WanConfig& c);

@@ -7,12 +7,15 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
+#include <sstream>
 
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/core/metrics.h"
 #include "vqad/core/progress.h"
 #include "vqad/core/safetensors.h"
+#include "vqad/core/sha256.h"
 #include "vqad/data/loader.h"
 #include "vqad/data/parquet_dataset.h"
 #include "vqad/data/sampler.h"
@@ -22,7 +25,10 @@
 #include "vqad/train/lr_schedule.h"
 #include "vqad/train/metadata.h"
 #include "vqad/train/methods/dmd2.h"
+#include "vqad/train/methods/layer_recon.h"
+#include "vqad/train/methods/recon_ode.h"
 #include "vqad/train/methods/sft.h"
+#include "vqad/train/param_groups.h"
 #include "vqad/train/validation.h"
 
 #ifdef VQAD_WITH_TORCH_CUDA
@@ -114,13 +120,18 @@ struct Trainer::Impl {
   torch::Generator gen;
   long start_step = 0;
   std::string started_at;
+  nlohmann::json training_schedule;  // recon_ode: supervision.training_schedule
 };
 
 Trainer::Trainer(RunConfig run, TrainerOptions options)
     : impl_(std::make_unique<Impl>()), run_(std::move(run)), options_(options) {
   const auto& tc = run_.training;
-  VQAD_CHECK(run_.method.kind == MethodKind::kSft || run_.method.kind == MethodKind::kDmd2, "method '",
-             method_name(run_.method.kind), "' is not available in this vqad build (available: sft, dmd2)");
+  const MethodKind kind = run_.method.kind;
+  const bool recon = kind == MethodKind::kLayerRecon || kind == MethodKind::kReconOde;
+  // Checks that need the student's architecture or the ODE cache, before any weights load.
+  if (kind == MethodKind::kLayerRecon) validate_layer_recon_config(run_);
+  std::optional<FewStepSchedule> recon_schedule;
+  if (kind == MethodKind::kReconOde) recon_schedule = recon_ode_schedule(run_);
   // Backends without kernels in this build fail here, before any weights load.
   for (const auto& name : run_.method.roles()) {
     const auto b = run_.role(name).attention_backend;
@@ -159,6 +170,15 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   }
   auto student = roles_.at("student");
   VQAD_CHECK(student->config.trainable, "models.student.trainable must be true for ", method_name(run_.method.kind));
+  if (recon) {
+    // trainable_scope quantized_path: only the listed modules train (and enter the optimizer).
+    const auto& modules = kind == MethodKind::kLayerRecon ? run_.method.layer_recon.trainable_modules
+                                                          : run_.method.recon_ode.trainable_modules;
+    student->trainable_modules = modules;
+    student->trainable_names = apply_trainable_scope(*student->model, modules, "method.trainable_modules");
+    log::info("models.student: trainable scope ", student->trainable_names.size(), " of ",
+              student->model->named_parameters().size(), " parameters (method.trainable_modules)");
+  }
 
   // Data.
   const auto& mc = student->model->config();
@@ -197,13 +217,30 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
     impl_->schedules[name] = lr_schedule_from(oc, sched, tc.loop.max_train_steps);
     impl_->updates[name] = 0;
   }
-  if (run_.method.kind == MethodKind::kDmd2)
-    impl_->method = std::make_unique<Dmd2Method>(run_, student, roles_.at("teacher"), roles_.at("critic"));
-  else
+  std::vector<float> shifted_ts, shifted_sigmas;  // validation on the exact shifted schedule
+  if (kind == MethodKind::kDmd2) {
+    auto m = std::make_unique<Dmd2Method>(run_, student, roles_.at("teacher"), roles_.at("critic"));
+    if (!m->exact_sigmas().empty()) {
+      for (double t : m->denoising_steps()) shifted_ts.push_back(static_cast<float>(t));
+      shifted_sigmas = m->exact_sigmas();
+    }
+    impl_->method = std::move(m);
+  } else if (kind == MethodKind::kLayerRecon) {
+    impl_->method = std::make_unique<LayerReconMethod>(run_, student, roles_.at("teacher"));
+  } else if (kind == MethodKind::kReconOde) {
+    auto m = std::make_unique<ReconOdeMethod>(run_, student, roles_.at("teacher"), recon_schedule);
+    impl_->training_schedule = m->schedule().to_json();
+    shifted_ts = m->schedule().timesteps;  // the 3-step shifted sampler of seeds/004 S1
+    shifted_sigmas = m->schedule().sigmas;
+    impl_->method = std::move(m);
+  } else {
     impl_->method = std::make_unique<SftMethod>(run_, student);
+  }
   const auto& vc = run_.callbacks.validation;
-  if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start))
+  if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start)) {
     impl_->validation = std::make_unique<ValidationRunner>(run_, student, options_.device);
+    if (!shifted_ts.empty()) impl_->validation->use_shifted_dmd(shifted_ts, shifted_sigmas);
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -224,9 +261,31 @@ void Trainer::print_dry_run() const {
               << ", weights+grads+optimizer " << gib << " GiB\n";
     std::cout << "# quant plan (" << name << "): "
               << (role->plan.empty() ? std::string("none (dense linears)\n") : role->plan.to_text());
+    if (!role->trainable_names.empty()) {
+      std::cout << "# trainable parameters (" << name << ", method.trainable_modules";
+      for (const auto& m : role->trainable_modules) std::cout << " " << m;
+      std::cout << "): " << role->trainable_names.size() << "\n";
+      for (const auto& n : role->trainable_names) std::cout << "#   " << n << "\n";
+    }
   }
   std::cout << "# memory estimate (parameters, gradients, optimizer state; activations not included): " << total_gib
             << " GiB\n";
+}
+
+// The config file as given (source.yaml, next to resolved.yaml), when it still has the
+// bytes whose sha256 the run recorded.
+static void write_source_yaml(const RunConfig& run, const std::string& dir) {
+  if (run.source_path.empty()) return;
+  std::ifstream in(run.source_path, std::ios::binary);
+  if (!in.good()) return;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  if (sha256_hex(text) != run.source_sha256) {
+    log::warn(run.source_path, " changed since the run started: source.yaml not written");
+    return;
+  }
+  st::write_file_atomic((fs::path(dir) / "source.yaml").string(), {text});
 }
 
 static void save_trainer_checkpoint(const RunConfig& run, const std::map<std::string, std::shared_ptr<Role>>& roles,
@@ -234,7 +293,8 @@ static void save_trainer_checkpoint(const RunConfig& run, const std::map<std::st
                                     std::map<std::string, std::unique_ptr<torch::optim::AdamW>>& optimizers,
                                     const std::map<std::string, long>& updates,
                                     const data::PrefetchLoader& loader, torch::Generator& gen,
-                                    const std::string& started_at, std::vector<std::string>* written) {
+                                    const std::string& started_at, const nlohmann::json& training_schedule,
+                                    std::vector<std::string>* written) {
   auto path = write_checkpoint_dir(output_dir, step, [&](const std::string& dir) {
     for (auto& [name, role] : roles) {
       if (!role->config.trainable) continue;
@@ -249,7 +309,8 @@ static void save_trainer_checkpoint(const RunConfig& run, const std::map<std::st
     state["optimizer_updates"] = updates;
     st::write_file_atomic((fs::path(dir) / "trainer_state.json").string(), {state.dump(2) + "\n"});
     st::write_file_atomic((fs::path(dir) / "resolved.yaml").string(), {run.resolved_yaml});
-    write_metadata(dir, build_metadata(run, roles, step, started_at));
+    write_source_yaml(run, dir);
+    write_metadata(dir, build_metadata(run, roles, step, started_at, training_schedule));
   });
   if (written) written->push_back(path);
   apply_retention(output_dir, static_cast<int>(run.training.checkpoint.checkpoints_total_limit));
@@ -289,7 +350,10 @@ TrainSummary Trainer::run() {
   }
   MetricsWriter metrics = resume ? MetricsWriter::open_for_resume((fs::path(out) / "metrics.jsonl").string(), I.start_step)
                                  : MetricsWriter((fs::path(out) / "metrics.jsonl").string(), false);
-  if (!resume) st::write_file_atomic((fs::path(out) / "resolved.yaml").string(), {run_.resolved_yaml});
+  if (!resume) {
+    st::write_file_atomic((fs::path(out) / "resolved.yaml").string(), {run_.resolved_yaml});
+    write_source_yaml(run_, out);
+  }
 
   const long max_steps = tc.loop.max_train_steps;
   const long accum = std::max<long>(1, tc.loop.gradient_accumulation_steps);
@@ -370,14 +434,14 @@ TrainSummary Trainer::run() {
     }
     if (save_every > 0 && step % save_every == 0) {
       save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, I.updates, *I.loader, I.gen, I.started_at,
-                              &summary.checkpoints);
+                              I.training_schedule, &summary.checkpoints);
       last_saved = step;
     }
   }
   if (bar) bar->finish();
   if (save_every > 0 && last_saved != summary.last_step && summary.last_step > 0)
     save_trainer_checkpoint(run_, roles_, out, summary.last_step, I.optimizers, I.updates, *I.loader, I.gen, I.started_at,
-                            &summary.checkpoints);
+                            I.training_schedule, &summary.checkpoints);
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
   return summary;
 }
@@ -398,6 +462,8 @@ std::string export_checkpoint(const std::string& checkpoint_dir, const std::stri
   fs::create_directories(tmp / "transformer");
   for (const auto& e : fs::directory_iterator(src))
     if (e.is_regular_file()) fs::copy_file(e.path(), tmp / "transformer" / e.path().filename());
+  for (const char* cfg : {"resolved.yaml", "source.yaml"})
+    if (fs::is_regular_file(fs::path(checkpoint_dir) / cfg)) fs::copy_file(fs::path(checkpoint_dir) / cfg, tmp / cfg);
   meta["checkpoint_state"] = "inference_export";
   meta["export"] = {{"role", role}, {"source_checkpoint", fs::absolute(checkpoint_dir).string()},
                     {"created_at", utc_now_iso()}};

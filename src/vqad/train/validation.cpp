@@ -13,6 +13,7 @@
 #include "vqad/core/safetensors.h"
 #include "vqad/data/text_embeddings.h"
 #include "vqad/io/tensors.h"
+#include "vqad/train/methods/dmd2.h"
 #include "vqad/train/sampling.h"
 
 namespace fs = std::filesystem;
@@ -104,6 +105,15 @@ ValidationRunner::ValidationRunner(const RunConfig& run, std::shared_ptr<Role> s
             " steps, to ", out_dir_);
 }
 
+void ValidationRunner::use_shifted_dmd(std::vector<float> timesteps, std::vector<float> sigmas) {
+  VQAD_CHECK(!timesteps.empty() && timesteps.size() == sigmas.size(), "validation: the shifted DMD sampler needs "
+             "as many sigmas as timesteps (", timesteps.size(), " and ", sigmas.size(), ")");
+  shifted_timesteps_ = std::move(timesteps);
+  shifted_sigmas_ = std::move(sigmas);
+  log::info("validation: few-step DMD sampler on the exact shifted schedule (", shifted_timesteps_.size(),
+            " steps)");
+}
+
 bool ValidationRunner::due(long step) const {
   const auto& v = run_.callbacks.validation;
   return v.every_steps > 0 && step % v.every_steps == 0;
@@ -123,7 +133,12 @@ std::map<std::string, double> ValidationRunner::run(long step) {
   auto text = prompts_.text.to(device_, dtype);
   torch::Tensor latents;
   std::string sampler;
-  if (run_.method.kind == MethodKind::kDmd2) {
+  if (!shifted_timesteps_.empty()) {
+    latents = shifted_dmd_sample(m, noise, text, shifted_timesteps_, shifted_sigmas_, gen);
+    nlohmann::json ts = nlohmann::json::array();
+    for (float t : shifted_timesteps_) ts.push_back(static_cast<double>(t));
+    sampler = "shifted dmd (exact sigmas), timesteps " + ts.dump();
+  } else if (run_.method.kind == MethodKind::kDmd2) {
     std::vector<double> ts = v.sampling_timesteps;
     if (ts.empty()) ts = run_.method.dmd2.dmd_denoising_steps;
     latents = dmd_sample(m, student_->grid, noise, text, ts, gen);

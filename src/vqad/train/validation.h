@@ -51,6 +51,9 @@ class ValidationRunner {
   // Samples, writes the files, returns metrics ("validation/seconds", ...).
   std::map<std::string, double> run(long step);
   const std::vector<int64_t>& latent_shape() const { return shape_; }
+  // Sample with the few-step DMD sampler on exact fp32 sigmas (dmd2 with
+  // shifted_ode_schedule, recon_ode's 3-step shifted sampler) instead of the default.
+  void use_shifted_dmd(std::vector<float> timesteps, std::vector<float> sigmas);
 
  private:
   RunConfig run_;
@@ -59,6 +62,7 @@ class ValidationRunner {
   ValidationPrompts prompts_;
   std::vector<int64_t> shape_;  // [N, C, T, H, W]
   std::string out_dir_;
+  std::vector<float> shifted_timesteps_, shifted_sigmas_;  // use_shifted_dmd
 };
 
 }  // namespace vqad::train

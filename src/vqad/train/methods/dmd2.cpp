@@ -7,6 +7,7 @@
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/data/text_embeddings.h"
+#include "vqad/sample/schedule.h"
 
 namespace fs = std::filesystem;
 
@@ -39,8 +40,39 @@ Dmd2Method::Dmd2Method(const RunConfig& run, std::shared_ptr<Role> student, std:
                sc.text_dim, "): the roles must share the latent and text spaces");
   }
   timestep_shift_ = run.pipeline.flow_shift.value_or(student_->config.flow_shift);
-  // Denoising steps: raw timesteps, or warped through the student's grid.
-  for (double s : cfg_.dmd_denoising_steps) {
+  // Denoising steps: the exact shifted schedule, raw timesteps, or warped through the
+  // student's grid.
+  if (cfg_.shifted_ode_schedule.present) {
+    const auto& so = cfg_.shifted_ode_schedule;
+    VQAD_CHECK(!cfg_.warp_denoising_step, "method.warp_denoising_step: must be false with "
+               "method.shifted_ode_schedule (the steps are the schedule's exact timesteps)");
+    const auto full = sample::shifted_schedule(static_cast<float>(so.flow_shift), static_cast<int>(so.teacher_steps));
+    std::vector<float> ts;
+    for (auto i : so.indices) {
+      sigmas_.push_back(full.sigmas[static_cast<size_t>(i)]);
+      ts.push_back(full.timesteps[static_cast<size_t>(i)]);
+    }
+    auto same = [](const std::vector<double>& given, const std::vector<float>& want) {
+      if (given.size() != want.size()) return false;
+      for (size_t k = 0; k < want.size(); ++k)
+        if (static_cast<float>(given[k]) != want[k]) return false;
+      return true;
+    };
+    auto show = [](const std::vector<float>& v) {
+      std::string out;
+      for (float x : v) out += (out.empty() ? "" : ", ") + std::to_string(static_cast<double>(x));
+      return "[" + out + "]";
+    };
+    VQAD_CHECK(so.sigmas.empty() || same(so.sigmas, sigmas_), "method.shifted_ode_schedule.sigmas: the recorded "
+               "sigmas differ from the shifted schedule's (shift ", so.flow_shift, ", ", so.teacher_steps,
+               " steps) at the indices: ", show(sigmas_));
+    VQAD_CHECK(so.timesteps.empty() || same(so.timesteps, ts), "method.shifted_ode_schedule.timesteps: the "
+               "recorded timesteps differ from the shifted schedule's at the indices: ", show(ts));
+    VQAD_CHECK(cfg_.dmd_denoising_steps.empty() || same(cfg_.dmd_denoising_steps, ts),
+               "method.dmd_denoising_steps: must equal the shifted_ode_schedule's timesteps ", show(ts));
+    for (float t : ts) steps_.push_back(static_cast<double>(t));
+  }
+  for (double s : cfg_.shifted_ode_schedule.present ? std::vector<double>{} : cfg_.dmd_denoising_steps) {
     if (!cfg_.warp_denoising_step) {
       steps_.push_back(s);
       continue;
@@ -97,6 +129,50 @@ torch::Tensor Dmd2Method::predict_x0(Role& role, const torch::Tensor& x_t, doubl
   return role.grid.predict_x0(x_t, v, tt);
 }
 
+torch::Tensor Dmd2Method::predict_x0_sigma(Role& role, const torch::Tensor& x_t, double t, float sigma,
+                                           const torch::Tensor& text) {
+  const int64_t B = x_t.size(0);
+  auto tt = torch::full({B}, t, torch::kFloat64);
+  auto v = role.model->forward(x_t, tt.to(x_t.device(), torch::kFloat32), text);
+  return (x_t.to(torch::kFloat32) - sigma * v.to(torch::kFloat32)).to(v.scalar_type());
+}
+
+torch::Tensor Dmd2Method::student_x0(const torch::Tensor& x, size_t i, const torch::Tensor& text) {
+  if (!sigmas_.empty()) return predict_x0_sigma(*student_, x, steps_[i], sigmas_[i], text);
+  return predict_x0(*student_, x, steps_[i], text);
+}
+
+torch::Tensor Dmd2Method::noise_to_step(const torch::Tensor& x0, const torch::Tensor& noise, size_t i) const {
+  if (!sigmas_.empty()) {
+    const float s = sigmas_[i];
+    return ((1.0f - s) * x0.to(torch::kFloat32) + s * noise.to(torch::kFloat32)).to(noise.scalar_type());
+  }
+  return student_->grid.add_noise(x0, noise, torch::full({x0.size(0)}, steps_[i], torch::kFloat64));
+}
+
+torch::Tensor shifted_dmd_sample(model::WanModel& m, const torch::Tensor& noise, const torch::Tensor& text,
+                                 const std::vector<float>& timesteps, const std::vector<float>& sigmas,
+                                 torch::Generator& gen) {
+  VQAD_CHECK(!timesteps.empty() && timesteps.size() == sigmas.size(), "shifted dmd sampler: ", timesteps.size(),
+             " timesteps and ", sigmas.size(), " sigmas");
+  torch::NoGradGuard ng;
+  const auto dtype = m.options().compute_dtype;
+  const int64_t B = noise.size(0);
+  auto x = noise.to(dtype);
+  torch::Tensor x0;
+  for (size_t i = 0; i < timesteps.size(); ++i) {
+    auto t = torch::full({B}, timesteps[i], torch::TensorOptions(torch::kFloat32).device(noise.device()));
+    auto v = m.forward(x, t, text);
+    x0 = x.to(torch::kFloat32) - sigmas[i] * v.to(torch::kFloat32);
+    if (i + 1 < timesteps.size()) {
+      auto fresh = at::randn(noise.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(noise.device());
+      const float s = sigmas[i + 1];
+      x = ((1.0f - s) * x0.to(dtype).to(torch::kFloat32) + s * fresh.to(dtype).to(torch::kFloat32)).to(dtype);
+    }
+  }
+  return x0;
+}
+
 torch::Tensor Dmd2Method::uncond_text(const torch::Tensor& text) const {
   if (uncond_mode_ == "keep") return text;
   if (uncond_mode_ == "zero") return torch::zeros_like(text);
@@ -124,21 +200,20 @@ torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vecto
   const int64_t n = static_cast<int64_t>(steps_.size());
   const int64_t j = at::randint(0, n, {1}, gen, torch::TensorOptions(torch::kInt64)).item<int64_t>();
   auto noise = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
-  const int64_t B = shape[0];
   torch::Tensor input;
   if (cfg_.rollout_mode == RolloutMode::kDataLatent) {
     VQAD_CHECK(x0_data.defined(), "dmd2 rollout_mode data_latent needs latents; the dataset is text_only "
                "(use rollout_mode: simulate)");
-    input = student_->grid.add_noise(x0_data.to(dev, dtype), noise, torch::full({B}, steps_[j], torch::kFloat64));
+    input = noise_to_step(x0_data.to(dev, dtype), noise, static_cast<size_t>(j));
   } else {
     std::vector<torch::Tensor> kept;
     torch::Tensor x = noise;
     {
       torch::NoGradGuard ng;
       for (int64_t i = 0; i + 1 < n; ++i) {
-        auto x0 = predict_x0(*student_, x, steps_[i], text);
+        auto x0 = student_x0(x, static_cast<size_t>(i), text);
         auto fresh = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
-        x = student_->grid.add_noise(x0, fresh, torch::full({B}, steps_[i + 1], torch::kFloat64));
+        x = noise_to_step(x0, fresh, static_cast<size_t>(i + 1));
         kept.push_back(x);
       }
     }
@@ -146,7 +221,7 @@ torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vecto
   }
   // The graded call keeps the caller's grad mode; the critic's rollout has none.
   torch::AutoGradMode mode(grad && torch::GradMode::is_enabled());
-  return predict_x0(*student_, input, steps_[j], text);
+  return student_x0(input, static_cast<size_t>(j), text);
 }
 
 DmdLossParts Dmd2Method::dmd_loss(const torch::Tensor& x0, const torch::Tensor& text, torch::Generator& gen) {
