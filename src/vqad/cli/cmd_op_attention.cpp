@@ -9,6 +9,7 @@
 #include <string>
 
 #include "vqad/cli/commands.h"
+#include "vqad/cli/op_inputs.h"
 #include "vqad/core/attention_backend.h"
 #include "vqad/core/error.h"
 #include "vqad/io/tensors.h"
@@ -21,6 +22,7 @@ struct OpAttentionArgs {
   std::string input, output, backend, bwd_mode = "consistent", device = "cpu";
   int block_n = 128;
   bool no_quant_p = false, no_quant_v = false, no_quant_qk = false;
+  bool strict = false;
 };
 
 std::string shape_str(const torch::Tensor& t) {
@@ -71,6 +73,7 @@ int run_op_attention(const OpAttentionArgs& a) {
   torch::Tensor k = take(tensors, "k", a.input, true);
   torch::Tensor v = take(tensors, "v", a.input, true);
   torch::Tensor d_o = take(tensors, "do", a.input, false);
+  check_finite_inputs(a.input, {{"q", q}, {"k", k}, {"v", v}, {"do", d_o}}, a.strict);
   VQAD_CHECK(k.sizes() == v.sizes(), a.input, ": k and v must have the same shape, found k ",
              shape_str(k), ", v ", shape_str(v));
   VQAD_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3), a.input,
@@ -155,6 +158,7 @@ void register_op_attention_commands(CLI::App& app) {
   sub->add_flag("--no-quant-p", args->no_quant_p, "ATTN_QAT_TRAIN: do not quantize P");
   sub->add_flag("--no-quant-v", args->no_quant_v, "ATTN_QAT_TRAIN: do not quantize V");
   sub->add_flag("--no-quant-qk", args->no_quant_qk, "ATTN_QAT_TRAIN: do not quantize Q and K");
+  sub->add_flag("--strict", args->strict, "refuse inputs holding NaN/Inf (default: warn)");
   set_action(sub, [args] { return run_op_attention(*args); });
 }
 

@@ -24,6 +24,7 @@ void register_data_commands(CLI::App& app);
 void register_bench_attention_commands(CLI::App& app);
 void register_bench_step_commands(CLI::App& app);
 void register_bench_dmd2_commands(CLI::App& app);
+void register_bench_checkpoint_commands(CLI::App& app);
 void register_plot_commands(CLI::App& app);
 
 // The `vqad op` parent (op-level tools); created on first use, shared by modules.

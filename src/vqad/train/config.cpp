@@ -935,7 +935,9 @@ MethodConfig parse_method(const Ctx& ctx, const Json* node) {
         check(t > 0.0 && t <= 1000.0, ctx, "method.dmd_denoising_steps",
               "timesteps must be in (0, 1000], found " + fmt(t));
       d.generator_update_interval = s.i64("generator_update_interval", 1);
-      if (d.generator_update_interval <= 0) d.generator_update_interval = 1;
+      // FastVideo coerces 0 to 1; vqad refuses it rather than train something else than asked.
+      check(d.generator_update_interval >= 1, ctx, "method.generator_update_interval",
+            "must be >= 1, found " + std::to_string(d.generator_update_interval));
       d.min_timestep_ratio = s.f64("min_timestep_ratio", 0.0);
       d.max_timestep_ratio = s.f64("max_timestep_ratio", 1.0);
       check(0.0 <= d.min_timestep_ratio && d.min_timestep_ratio <= d.max_timestep_ratio &&
@@ -944,6 +946,8 @@ MethodConfig parse_method(const Ctx& ctx, const Json* node) {
             "need 0 <= min_timestep_ratio <= max_timestep_ratio <= 1, found " + fmt(d.min_timestep_ratio) +
                 " and " + fmt(d.max_timestep_ratio));
       d.real_score_guidance_scale = s.f64("real_score_guidance_scale", 1.0);
+      check(std::isfinite(d.real_score_guidance_scale) && d.real_score_guidance_scale >= 0.0, ctx,
+            "method.real_score_guidance_scale", "must be finite and >= 0, found " + fmt(d.real_score_guidance_scale));
       d.warp_denoising_step = s.boolean("warp_denoising_step", false);
       if (!s.has("fake_score_learning_rate"))
         fail("config ", ctx.source, ": missing required key 'method.fake_score_learning_rate'");
@@ -1083,6 +1087,8 @@ CallbacksConfig parse_callbacks(const Ctx& ctx, const Json* node) {
       v.sampling_steps = s.i64_list("sampling_steps");
       v.sampling_timesteps = s.f64_list("sampling_timesteps");
       v.guidance_scale = s.f64("guidance_scale", 5.0);
+      check(std::isfinite(v.guidance_scale) && v.guidance_scale >= 0.0, ctx, p + ".guidance_scale",
+            "must be finite and >= 0, found " + fmt(v.guidance_scale));
       v.run_at_start = s.boolean("run_at_start", true);
       v.height = s.i64("height", 0);
       v.width = s.i64("width", 0);

@@ -31,17 +31,47 @@ nlohmann::json build_metadata(const RunConfig& run, const std::map<std::string, 
                               long step, const std::string& run_started_at);
 
 // sha256 of every regular file under dir except metadata.json and the completion marker.
-nlohmann::json hash_files(const std::string& dir);
+// `known` (relative path -> sha256) supplies hashes computed while the files were written,
+// so large files are not read back.
+nlohmann::json hash_files(const std::string& dir, const std::map<std::string, std::string>& known = {});
 
-// Writes dir/metadata.json (with files hashed) atomically.
-void write_metadata(const std::string& dir, nlohmann::json metadata);
+// The metadata's own hash: sha256 of the canonical serialisation (compact JSON, keys
+// sorted) of the metadata without its "metadata_sha256" key. Stored under that key, it
+// makes any edit of metadata.json that does not recompute it detectable.
+inline constexpr const char* kMetadataHashKey = "metadata_sha256";
+std::string metadata_sha256(const nlohmann::json& metadata);
+
+// Writes dir/metadata.json (with files hashed and the metadata hash) atomically.
+void write_metadata(const std::string& dir, nlohmann::json metadata,
+                    const std::map<std::string, std::string>& known_hashes = {});
 nlohmann::json read_metadata(const std::string& dir);
+
+// Integrity of one checkpoint or export directory (no parents): metadata present,
+// well-formed and matching its metadata_sha256, every recorded file present with its
+// recorded sha256, and no file in the directory that the metadata does not list.
+// Returns the problems (empty = intact). Hashes files on `threads` threads.
+std::vector<std::string> verify_directory(const std::string& dir, int threads = 4);
+// Throws one vqad::Error naming `what` (e.g. "resume_from_checkpoint"), the directory and
+// its problems when verify_directory finds any.
+void require_intact(const std::string& dir, const std::string& what);
+// The directory holding the metadata.json of a path given as init_from / a checkpoint
+// role directory (the path itself or its parent); "" when neither holds one.
+std::string metadata_dir_of(const std::string& path);
+
+// Lineage segments of a run that was resumed: lineage.segments lists, per stretch of steps
+// trained under one contract (attention backend, linear quantization, precision, learning
+// rates, roles), {start_step, contract}. A resume under the same contract continues the
+// last segment; a resume under a different one appends a segment starting at the resumed
+// step + 1, so no checkpoint claims the new contract for steps trained under the old.
+// `resumed` is the metadata of the checkpoint resumed from (null for a fresh run).
+void record_resume_segments(nlohmann::json& metadata, const nlohmann::json& resumed);
 
 // The lineage chain of a checkpoint or export directory, newest first, one line each.
 std::string lineage_text(const nlohmann::json& metadata);
-// Verifies dir: metadata present and well-formed, ids well-formed, every recorded file
-// hash matches, and every parent that is still on disk matches its recorded metadata
-// (id and files). Returns the list of problems (empty = verified).
+// Verifies dir: verify_directory, ids well-formed, and every parent recorded in the
+// lineage is on disk, intact, and identical to the metadata recorded for it (its
+// metadata_sha256), recursively. A parent that is no longer on disk is a problem.
+// Returns the list of problems (empty = verified).
 std::vector<std::string> verify_lineage(const std::string& dir);
 
 }  // namespace vqad::train

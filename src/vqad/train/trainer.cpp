@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -18,7 +19,12 @@
 #include "vqad/data/sampler.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/model/wan/weights.h"
+#include "vqad/train/determinism.h"
+#include "vqad/core/signals.h"
+#include "vqad/train/batch_log.h"
 #include "vqad/train/checkpoint_dir.h"
+#include "vqad/train/checkpoint_writer.h"
+#include "vqad/train/finite_guard.h"
 #include "vqad/train/lr_schedule.h"
 #include "vqad/train/metadata.h"
 #include "vqad/train/methods/dmd2.h"
@@ -146,6 +152,7 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   // EMA would change what is exported: refused rather than ignored.
   VQAD_CHECK(!run_.callbacks.ema.enabled, "callbacks.ema: EMA weights are not available in this vqad build; "
              "remove the ema callback");
+  if (options_.device.is_cuda()) set_deterministic_algorithms(options_.deterministic);
   impl_->started_at = utc_now_iso();
   impl_->gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(tc.data.seed));
 
@@ -156,6 +163,19 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
     ro.device = options_.device;
     ro.seed = seed++;
     roles_[name] = build_role(run_, name, ro);
+  }
+  // The CUDA attention kernels (kernels/attention/attention_qat.h) take head_dim 128 only:
+  // refuse other models here rather than at the first attention call of the first step.
+  constexpr int64_t kCudaAttnQatHeadDim = 128;
+  if (options_.device.is_cuda()) {
+    for (const auto& [name, role] : roles_) {
+      const auto b = role->config.attention_backend;
+      const int64_t hd = role->model->config().attention_head_dim;
+      VQAD_CHECK(b != AttentionBackend::kAttnQatTrain || hd == kCudaAttnQatHeadDim, "models.", name,
+                 ".attention_backend ATTN_QAT_TRAIN on ", options_.device.str(), ": the CUDA kernels support head_dim ",
+                 kCudaAttnQatHeadDim, " only, but this model has attention_head_dim ", hd,
+                 " (use a model with 128-channel heads, e.g. random:tiny-hd128 for a tiny run)");
+    }
   }
   auto student = roles_.at("student");
   VQAD_CHECK(student->config.trainable, "models.student.trainable must be true for ", method_name(run_.method.kind));
@@ -229,31 +249,23 @@ void Trainer::print_dry_run() const {
             << " GiB\n";
 }
 
-static void save_trainer_checkpoint(const RunConfig& run, const std::map<std::string, std::shared_ptr<Role>>& roles,
-                                    const std::string& output_dir, long step,
-                                    std::map<std::string, std::unique_ptr<torch::optim::AdamW>>& optimizers,
-                                    const std::map<std::string, long>& updates,
-                                    const data::PrefetchLoader& loader, torch::Generator& gen,
-                                    const std::string& started_at, std::vector<std::string>* written) {
-  auto path = write_checkpoint_dir(output_dir, step, [&](const std::string& dir) {
-    for (auto& [name, role] : roles) {
-      if (!role->config.trainable) continue;
-      const fs::path rd = fs::path(dir) / name;
-      model::save_diffusers(*role->model, rd.string());
-      torch::save(*optimizers.at(name), (rd / "optimizer.pt").string());
-    }
-    nlohmann::json state;
-    state["step"] = step;
-    state["data"] = loader.state();
-    state["generator_state"] = hex_encode(gen.get_state());
-    state["optimizer_updates"] = updates;
-    st::write_file_atomic((fs::path(dir) / "trainer_state.json").string(), {state.dump(2) + "\n"});
-    st::write_file_atomic((fs::path(dir) / "resolved.yaml").string(), {run.resolved_yaml});
-    write_metadata(dir, build_metadata(run, roles, step, started_at));
-  });
-  if (written) written->push_back(path);
-  apply_retention(output_dir, static_cast<int>(run.training.checkpoint.checkpoints_total_limit));
-  log::info("checkpoint ", path);
+static double save_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run,
+                                      const std::map<std::string, std::shared_ptr<Role>>& roles, long step,
+                                      const OptimizerMap& optimizers, const std::map<std::string, long>& updates,
+                                      const data::PrefetchLoader& loader, torch::Generator& gen,
+                                      const std::string& started_at, const nlohmann::json& resumed_metadata) {
+  nlohmann::json state;
+  state["step"] = step;
+  state["data"] = loader.state();
+  state["generator_state"] = hex_encode(gen.get_state());
+  state["optimizer_updates"] = updates;
+  auto meta = build_metadata(run, roles, step, started_at);
+  record_resume_segments(meta, resumed_metadata);
+  const char* cublas_ws = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  meta["determinism"] = {{"deterministic_algorithms", at::globalContext().deterministicAlgorithms()},
+                         {"cudnn_deterministic", at::globalContext().deterministicCuDNN()},
+                         {"cublas_workspace_config", cublas_ws ? nlohmann::json(cublas_ws) : nlohmann::json(nullptr)}};
+  return writer.save(step, roles, optimizers, std::move(state), run.resolved_yaml, std::move(meta));
 }
 
 TrainSummary Trainer::run() {
@@ -261,31 +273,34 @@ TrainSummary Trainer::run() {
   auto& I = *impl_;
   TrainSummary summary;
   const std::string out = tc.checkpoint.output_dir;
-  fs::create_directories(out);
+  // One run per output directory; what a dead run left half-written goes first.
+  RunLock lock(out);
+  remove_stale_checkpoint_temps(out);
+  CheckpointWriter writer(out, static_cast<int>(tc.checkpoint.checkpoints_total_limit), options_.async_checkpoints);
 
-  // Resume.
+  // Resume (verified against the checkpoint's recorded hashes before anything is loaded).
   auto resume = resolve_resume(tc.checkpoint.resume_from_checkpoint, out);
+  if (tc.checkpoint.resume_from_checkpoint.empty()) prepare_new_run_dir(out, options_.overwrite_run);
+  nlohmann::json resumed_metadata;
   if (resume) {
     log::info("resuming from ", resume->path, " (step ", resume->step, ")");
-    for (auto& [name, role] : roles_) {
-      if (!role->config.trainable) continue;
-      const fs::path rd = fs::path(resume->path) / name;
-      VQAD_CHECK(fs::is_directory(rd), resume->path, ": no weights for role '", name, "'");
-      model::load_weights(*role->model, model::read_weights(rd.string()));
-      torch::load(*I.optimizers.at(name), (rd / "optimizer.pt").string());
+    nlohmann::json state = load_trainer_checkpoint(resume->path, roles_, I.optimizers);
+    resumed_metadata = read_metadata(resume->path);
+    try {
+      I.loader->load_state(state.at("data"));
+    } catch (const nlohmann::json::exception& e) {
+      fail(resume->path, "/trainer_state.json: malformed data position: ", e.what());
     }
-    std::ifstream f(fs::path(resume->path) / "trainer_state.json");
-    VQAD_CHECK(f.good(), resume->path, ": trainer_state.json missing");
-    nlohmann::json state = nlohmann::json::parse(f);
-    I.loader->load_state(state.at("data"));
     I.gen.set_state(hex_decode(state.at("generator_state").get<std::string>(), resume->path));
     for (auto& [name, n] : I.updates) {
-      if (state.contains("optimizer_updates") && state["optimizer_updates"].contains(name))
+      if (state.contains("optimizer_updates") && state["optimizer_updates"].contains(name) &&
+          state["optimizer_updates"][name].is_number_integer())
         n = state["optimizer_updates"][name].get<long>();
       else
         n = resume->step;  // checkpoints written before per-role counts: every step updated
     }
     I.start_step = resume->step;
+    writer.set_last_good(resume->path);
   }
   MetricsWriter metrics = resume ? MetricsWriter::open_for_resume((fs::path(out) / "metrics.jsonl").string(), I.start_step)
                                  : MetricsWriter((fs::path(out) / "metrics.jsonl").string(), false);
@@ -298,6 +313,7 @@ TrainSummary Trainer::run() {
   const auto t_run = std::chrono::steady_clock::now();
   std::unique_ptr<Progress> bar;
   if (options_.progress) bar = std::make_unique<Progress>("train", max_steps - I.start_step, "step");
+  BatchLog batch_log(I.start_step, max_steps, options_.log_every_steps, options_.log_every_s);
   summary.first_step = I.start_step + 1;
   long last_saved = -1;
   if (I.validation && I.validation->at_start() && I.start_step == 0) metrics.log(0, I.validation->run(0));
@@ -309,6 +325,9 @@ TrainSummary Trainer::run() {
     int64_t tokens = 0;
     for (long micro = 0; micro < accum; ++micro) {
       data::Batch batch = I.loader->next();
+      if (auto rows = nonfinite_batch_rows(batch, *I.dataset); !rows.empty())
+        fail("step ", step, ": the batch holds non-finite values (NaN/Inf) in ", rows.size(), " row(s), first: ",
+             rows[0], "; nothing of step ", step, " was saved; ", last_good_checkpoint_text(writer.last_good(), out));
       auto r = I.method->micro_step(batch, I.gen, options_.device, step, 1.0 / static_cast<double>(accum));
       for (const auto& [k, v] : r.metrics) rec[k] += v / static_cast<double>(accum);
       for (const auto& [k, v] : r.role_loss) role_loss[k] += v / static_cast<double>(accum);
@@ -339,7 +358,8 @@ TrainSummary Trainer::run() {
         fail("step ", step, ": non-finite ", std::isfinite(rloss) ? "gradient" : "loss", " in role '", name,
              "' (loss ", rloss, ", grad norm ", norm, "); parameters with non-finite gradients:",
              bad.empty() ? std::string(" none") : bad, nbad > 8 ? " ..." : "",
-             ". The weights were not updated; the last checkpoint in ", out, " is intact");
+             ". The weights were not updated and nothing of step ", step, " was saved; ",
+             last_good_checkpoint_text((writer.wait(), writer.last_good()), out));
       }
       rec["grad_norm/" + name] = norm;
       const double lr = I.base_lr.at(name) * lr_multiplier(I.schedules.at(name), I.updates.at(name));
@@ -347,6 +367,16 @@ TrainSummary Trainer::run() {
       rec["lr/" + name] = lr;
       opt->step();
       ++I.updates.at(name);
+      // The update itself (e.g. an infinite LR) may be what turns the weights non-finite.
+      NamedTensors weights;
+      for (const auto& item : role.model->named_parameters(true))
+        if (item.value().requires_grad()) weights.emplace_back(item.key(), item.value());
+      size_t nbad = 0;
+      if (auto bad = nonfinite_tensors(weights, 1, &nbad); !bad.empty())
+        fail("step ", step, ": the optimizer update made ", nbad, " weight tensor(s) of role '", name,
+             "' non-finite (first: ", bad[0], "; loss ", rloss, ", grad norm ", norm, ", lr ", lr,
+             " were finite); nothing of step ", step, " was saved; ",
+             last_good_checkpoint_text((writer.wait(), writer.last_good()), out));
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec["step_time_s"] = dt;
@@ -369,15 +399,23 @@ TrainSummary Trainer::run() {
       bar->update(1);
     }
     if (save_every > 0 && step % save_every == 0) {
-      save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, I.updates, *I.loader, I.gen, I.started_at,
-                              &summary.checkpoints);
+      summary.checkpoint_stall_s += save_trainer_checkpoint(writer, run_, roles_, step, I.optimizers, I.updates,
+                                                            *I.loader, I.gen, I.started_at, resumed_metadata);
       last_saved = step;
+    }
+    batch_log.step(step, loss, dt, tokens, rec["mem_peak_gib"]);
+    if (stop_signal()) {
+      summary.stop_signal = stop_signal();
+      log::warn(signal_name(summary.stop_signal), " received: stopping after step ", step);
+      break;
     }
   }
   if (bar) bar->finish();
   if (save_every > 0 && last_saved != summary.last_step && summary.last_step > 0)
-    save_trainer_checkpoint(run_, roles_, out, summary.last_step, I.optimizers, I.updates, *I.loader, I.gen, I.started_at,
-                            &summary.checkpoints);
+    summary.checkpoint_stall_s += save_trainer_checkpoint(writer, run_, roles_, summary.last_step, I.optimizers,
+                                                          I.updates, *I.loader, I.gen, I.started_at, resumed_metadata);
+  writer.wait();
+  summary.checkpoints = writer.written();
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
   return summary;
 }
@@ -385,25 +423,42 @@ TrainSummary Trainer::run() {
 std::string export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir, const std::string& role,
                               bool overwrite) {
   const fs::path src = fs::path(checkpoint_dir) / role / "transformer";
-  VQAD_CHECK(fs::is_directory(src), checkpoint_dir, ": no weights for role '", role, "' (expected ", src.string(),
-             "; checkpoints hold only trainable roles)");
+  VQAD_CHECK(fs::is_directory(checkpoint_dir), "export: ", checkpoint_dir, " is not a directory");
   VQAD_CHECK(fs::is_regular_file(fs::path(checkpoint_dir) / kCheckpointMarker), checkpoint_dir,
              ": incomplete checkpoint (no ", kCheckpointMarker, " marker)");
+  VQAD_CHECK(fs::is_directory(src), checkpoint_dir, ": no weights for role '", role, "' (expected ", src.string(),
+             "; checkpoints hold only trainable roles)");
+  require_intact(checkpoint_dir, "export");
+  check_export_target(out_dir, checkpoint_dir, overwrite);
   nlohmann::json meta = read_metadata(checkpoint_dir);
-  if (fs::exists(out_dir)) {
-    VQAD_CHECK(overwrite, "export: ", out_dir, " already exists (pass --overwrite to replace it)");
-  }
-  const fs::path tmp = fs::path(out_dir).string() + ".tmp-export-" + std::to_string(::getpid());
+  const auto src_files = meta.at("files");
+  const fs::path tmp = export_temp_dir(out_dir);
   fs::remove_all(tmp);
-  fs::create_directories(tmp / "transformer");
-  for (const auto& e : fs::directory_iterator(src))
-    if (e.is_regular_file()) fs::copy_file(e.path(), tmp / "transformer" / e.path().filename());
-  meta["checkpoint_state"] = "inference_export";
-  meta["export"] = {{"role", role}, {"source_checkpoint", fs::absolute(checkpoint_dir).string()},
-                    {"created_at", utc_now_iso()}};
-  write_metadata(tmp.string(), meta);
-  fsync_tree(tmp.string());
-  if (fs::exists(out_dir)) fs::remove_all(out_dir);
+  try {
+    create_dir_or_fail((tmp / "transformer").string(), "export");
+    for (const auto& e : fs::directory_iterator(src))
+      if (e.is_regular_file()) fs::copy_file(e.path(), tmp / "transformer" / e.path().filename());
+    meta["checkpoint_state"] = "inference_export";
+    meta["export"] = {{"role", role}, {"source_checkpoint", fs::absolute(checkpoint_dir).string()},
+                      {"created_at", utc_now_iso()}};
+    write_metadata(tmp.string(), meta);
+    // The copies must be the bytes the checkpoint recorded (a failing disk shows here).
+    for (const auto& [rel, sha] : read_metadata(tmp.string()).at("files").items()) {
+      const std::string src_rel = role + "/" + rel;
+      VQAD_CHECK(src_files.contains(src_rel) && src_files[src_rel] == sha, "export: ", (tmp / rel).string(),
+                 " differs from ", src_rel, " recorded in ", checkpoint_dir, " (copy corrupted)");
+    }
+    fsync_tree(tmp.string());
+  } catch (const fs::filesystem_error& e) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    fail("export to ", out_dir, ": ", e.code().message(), " (", e.path1().string(), "); nothing was replaced");
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  if (fs::exists(out_dir)) fs::remove_all(out_dir);  // checked above: empty or an earlier export
   fs::rename(tmp, out_dir);
   fsync_dir(fs::absolute(out_dir).parent_path().string());
   return out_dir;
