@@ -164,7 +164,7 @@ TEST_F(OpsFixture, InitFromADamagedExportAndAMissingParentAreRefused) {
 TEST_F(OpsFixture, InfiniteLearningRateSavesNothingAndNamesTheLastGoodCheckpoint) {
   const auto out = (root / "inf").string();
   // A fresh run: nothing may be written and the message must not claim a checkpoint.
-  std::string err = error_of([&] { train(yaml(out, 3, 1, "1.0e+39")); });
+  std::string err = error_of([&] { train(yaml(out, 3, 1, ".inf")); });
   EXPECT_TRUE(contains(err, "non-finite")) << err;
   EXPECT_TRUE(contains(err, "role 'student'")) << err;
   EXPECT_TRUE(contains(err, "no checkpoint of this run")) << err;
@@ -173,7 +173,7 @@ TEST_F(OpsFixture, InfiniteLearningRateSavesNothingAndNamesTheLastGoodCheckpoint
   const auto out2 = (root / "inf2").string();
   train(yaml(out2, 2, 1));
   err = error_of([&] {
-    train(yaml(out2, 4, 1, "1.0e+39"), {"--training.checkpoint.resume_from_checkpoint", "latest"});
+    train(yaml(out2, 4, 1, ".inf"), {"--training.checkpoint.resume_from_checkpoint", "latest"});
   });
   EXPECT_TRUE(contains(err, "non-finite")) << err;
   EXPECT_TRUE(contains(err, "checkpoint-2")) << err;
