@@ -74,6 +74,7 @@ struct CliFixture : ::testing::Test {
                           "method:\n  _target_: fastvideo.train.methods.fine_tuning.finetune.FineTuneMethod\n"
                           "training:\n  data:\n    data_path: "
                        << (root / "data").string() << "\n    train_batch_size: 2\n"
+                       << "  optimizer:\n    learning_rate: 1.0e-3\n"
                        << "  loop:\n    max_train_steps: " << steps << "\n  checkpoint:\n    output_dir: " << out
                        << "\n    training_state_checkpointing_steps: " << save << "\n";
     return cfg.string();
