@@ -828,6 +828,10 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
           "must be > 0 when decay_rate is set");
     check(x.top_p > 0.0 && x.top_p <= 1.0, ctx, "training.vsa.top_p",
           "must be in (0, 1], found " + fmt(x.top_p));
+    // vqad's tiled VSA scratch lives for one call (a step-lifetime tile cache breaks
+    // activation checkpointing); there is no cache to turn on.
+    check(!x.cache_tile_buf, ctx, "training.vsa.cache_tile_buf",
+          "vqad has no step-lifetime VSA tile cache (tiled buffers live for one call); remove the key or set false");
   }
   {
     Section m = t.sub("model");
