@@ -25,6 +25,7 @@
 #include "vqad/model/quant_plan.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/ops/attention.h"
+#include "vqad/train/throughput.h"
 
 #ifdef VQAD_WITH_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -33,8 +34,6 @@
 namespace vqad::cli {
 namespace {
 
-// Dense BF16 tensor-core peak of an H100/H200 SXM (no sparsity), the MFU denominator.
-constexpr double kPeakFlops = 989e12;
 
 struct StepBenchOptions {
   std::string attention;  // empty: the default pair of configurations
@@ -264,6 +263,10 @@ int run_bench(const StepBenchOptions& o) {
   std::vector<StepResult> results;
   FlopCount flops;
   for (const StepConfig& sc : configs) results.push_back(run_config(sc, o, dev, tokens, &flops));
+  // The MFU denominator: the device's dense BF16 peak from train/throughput.h's table
+  // (a device that is not in it gets no MFU).
+  const auto peak = train::device_peak_flops(dev);
+  const double peak_flops = peak ? peak->bf16_dense_flops : std::nan("");
 
   bench::Table table({"configuration", "step s (median)", "fwd+bwd s", "AdamW s", "tokens/s",
                       "MFU %", "peak GiB", "loss"});
@@ -271,7 +274,7 @@ int run_bench(const StepBenchOptions& o) {
   for (const StepResult& r : results) {
     const double step_s = bench::median(r.step_ms) / 1e3;
     const double tps = tokens / step_s;
-    const double mfu = flops.total() / step_s / kPeakFlops;
+    const double mfu = flops.total() / step_s / peak_flops;
     table.add({r.config.label(), bench::fmt(step_s, 3), bench::fmt(bench::median(r.fwd_bwd_ms) / 1e3, 3),
                bench::fmt(bench::median(r.optim_ms) / 1e3, 3), bench::fmt(tps, 0),
                bench::fmt(100.0 * mfu, 1), bench::fmt(r.peak_gib, 2),
@@ -297,7 +300,7 @@ int run_bench(const StepBenchOptions& o) {
               static_cast<long long>(tokens));
   std::printf("%s", table.str().c_str());
   std::printf("model FLOPs per step %.3e (linears %.3e, attention %.3e); MFU against %.0f TFLOP/s\n",
-              flops.total(), flops.linear, flops.attention, kPeakFlops / 1e12);
+              flops.total(), flops.linear, flops.attention, peak_flops / 1e12);
   nlohmann::json j = {{"bench", "step"},
                       {"model", "Wan2.1 1.3B architecture (random weights)"},
                       {"layers", layers},
@@ -318,7 +321,7 @@ int run_bench(const StepBenchOptions& o) {
                       {"flops_convention",
                        "6 x multiply-adds of every linear at the tokens it sees + attention "
                        "3.5 x 4 x L x (L + 512) x dim x layers; checkpoint recompute not counted"},
-                      {"peak_flops", kPeakFlops},
+                      {"peak_flops", peak ? nlohmann::json(peak_flops) : nlohmann::json(nullptr)},
                       {"device", bench::device_json()},
                       {"runs", runs}};
   if (results.size() == 2) {

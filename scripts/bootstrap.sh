@@ -37,10 +37,12 @@ have() {
     nlohmann-json3-dev) [ -f /usr/include/nlohmann/json.hpp ] ;;
     libcli11-dev) [ -f /usr/include/CLI/CLI.hpp ] ;;
     libgtest-dev) [ -f /usr/include/gtest/gtest.h ] ;;
+    pkg-config) command -v pkg-config >/dev/null ;;
+    libgloo-dev) [ -f /usr/include/gloo/rendezvous/store.h ] ;;
     *) dpkg -s "$1" >/dev/null 2>&1 ;;
   esac
 }
-PKGS="build-essential cmake ninja-build ccache git python3 python3-venv libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libgtest-dev"
+PKGS="build-essential cmake ninja-build ccache git python3 python3-venv pkg-config libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgloo-dev libavcodec-dev libavformat-dev libswscale-dev ffmpeg"
 missing=""
 for p in $PKGS; do have "$p" || missing="$missing $p"; done
 if [ -n "$missing" ]; then

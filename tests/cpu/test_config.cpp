@@ -5,7 +5,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <random>
+#include <set>
 
 #include "vqad/core/error.h"
 #include "vqad/core/sha256.h"
@@ -427,4 +430,87 @@ TEST(ConfigCli, ValidatesAndDumps) {
   EXPECT_NE(err.find("models.student.attention_backend"), std::string::npos) << err;
   EXPECT_NE(err.find("ATTN_QAT_TRAIN"), std::string::npos) << err;
   fs::remove(out_path);
+}
+
+// ---------------------------------------------------------------------------
+// Keys vqad parses but does not implement are refused at load, naming the key;
+// the values that ask for nothing are accepted.
+TEST(ConfigUnsupported, LoraIsRefusedNamingTheKey) {
+  expect_error(kSft, {"--models.student.lora.enable", "true", "--models.student.lora.rank", "16"},
+               {"models.student.lora", "is not supported yet", "LoRA"});
+  expect_error(kSft, {"--models.student.lora.rank", "8"}, {"models.student.lora", "is not supported yet"});
+  RunConfig off = parse_run_config(kSft, {"--models.student.lora.enable", "false"});
+  EXPECT_FALSE(off.role("student").lora.enable);
+  EXPECT_EQ(off.resolved_yaml.find("lora"), std::string::npos);
+  EXPECT_EQ(parse_run_config(off.resolved_yaml).resolved_yaml, off.resolved_yaml);
+}
+
+TEST(ConfigUnsupported, OtherUnimplementedKeysAreRefused) {
+  expect_error(kSft, {"--training.optimizer.fused", "true"}, {"training.optimizer.fused", "is not supported yet"});
+  expect_error(kSft, {"--training.tracker.trackers", "[jsonl, wandb]"},
+               {"training.tracker.trackers[1]", "wandb", "is not supported yet"});
+  expect_error(kSft, {"--callbacks.validation.attn_qat_infer", "true"},
+               {"callbacks.validation.attn_qat_infer", "is not supported yet"});
+  expect_error(kSft, {"--training.data.dataloader_num_workers", "4"},
+               {"training.data.dataloader_num_workers", "is not supported yet", "found 4"});
+  expect_error(kSft, {"--callbacks.ema.decay", "0.999"}, {"callbacks.ema", "is not supported yet"});
+  expect_error(kSft, {"--training.model.enable_gradient_checkpointing_type", "ops"},
+               {"training.model.enable_gradient_checkpointing_type", "'ops' is not supported yet"});
+  // What asks for nothing (or what vqad does anyway) loads.
+  RunConfig c = parse_run_config(kSft, {"--training.optimizer.fused", "false", "--training.tracker.trackers",
+                                        "[none, jsonl]", "--training.data.dataloader_num_workers", "1"});
+  EXPECT_EQ(c.training.optimizer.fused, std::optional<bool>(false));
+  EXPECT_EQ(c.training.data.dataloader_num_workers, 1);
+}
+
+// `--callbacks.X none` removes callback X; every_steps 0 turns validation off.
+TEST(ConfigCallbacks, NoneRemovesACallbackAndEveryStepsZeroTurnsValidationOff) {
+  for (const char* none : {"none", "null", "None"}) {
+    RunConfig c = load_run_config(kRecipe, {"--callbacks.validation", none});
+    EXPECT_FALSE(c.callbacks.validation.enabled) << none;
+    EXPECT_TRUE(c.callbacks.grad_clip.enabled);
+    EXPECT_EQ(c.callbacks.order, (std::vector<std::string>{"grad_clip"}));
+    EXPECT_EQ(c.resolved_yaml.find("ValidationCallback"), std::string::npos);
+    EXPECT_EQ(parse_run_config(c.resolved_yaml).resolved_yaml, c.resolved_yaml);
+  }
+  RunConfig both = load_run_config(kRecipe, {"--callbacks.validation", "none", "--callbacks.grad_clip", "none"});
+  EXPECT_FALSE(both.callbacks.grad_clip.enabled);
+  EXPECT_TRUE(both.callbacks.order.empty());
+  EXPECT_EQ(parse_run_config(both.resolved_yaml).resolved_yaml, both.resolved_yaml);
+  RunConfig zero = load_run_config(kRecipe, {"--callbacks.validation.every_steps", "0"});
+  EXPECT_FALSE(zero.callbacks.validation.enabled);
+  EXPECT_EQ(zero.callbacks.validation.every_steps, 0);
+  // A removed callback can be added back by a later override.
+  RunConfig again = load_run_config(kRecipe, {"--callbacks.grad_clip", "none", "--callbacks.grad_clip.max_grad_norm",
+                                              "0.5"});
+  EXPECT_TRUE(again.callbacks.grad_clip.enabled);
+  EXPECT_DOUBLE_EQ(again.callbacks.grad_clip.max_grad_norm, 0.5);
+}
+
+// One descriptor per key: every key that a section reads is in its table with help,
+// and the statuses say which keys are implemented, refused or still planned.
+TEST(ConfigSchema, EveryKeyHasOneDescriptorWithHelpAndStatus) {
+  std::map<std::string, int> planned, refused;
+  for (const auto* s : run_config_schemas()) {
+    std::set<std::string> seen;
+    for (const auto& k : s->keys) {
+      EXPECT_TRUE(seen.insert(k.key).second) << s->path << "." << k.key << " has two descriptors";
+      EXPECT_FALSE(k.help.empty()) << s->path << "." << k.key;
+      if (k.status == vqad::config::KeyStatus::kPlanned) {
+        EXPECT_FALSE(k.planned_by.empty()) << s->path << "." << k.key;
+        ++planned[s->path];
+      }
+      if (k.status == vqad::config::KeyStatus::kNotSupportedYet) ++refused[s->path + "." + k.key];
+      if (k.type == vqad::config::KeyType::kChoice && !k.default_value.is_null()) {
+        EXPECT_NE(std::find(k.choices.begin(), k.choices.end(), k.default_value.get<std::string>()), k.choices.end())
+            << s->path << "." << k.key;
+      }
+    }
+  }
+  EXPECT_EQ(planned["training.vsa"], 6);
+  EXPECT_EQ(planned["method (layer_recon)"], 8);
+  EXPECT_GT(planned["training.distributed"], 0);
+  EXPECT_EQ(refused.count("models.<role>.lora"), 1u);
+  EXPECT_EQ(refused.count("training.optimizer.fused"), 1u);
+  EXPECT_EQ(refused.count("callbacks.<validation>.attn_qat_infer"), 1u);
 }

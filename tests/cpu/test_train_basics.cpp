@@ -56,16 +56,14 @@ TEST(FlowMatching, AddNoiseAndPredictX0AreInverse) {
   EXPECT_TRUE(torch::allclose(x0_hat, x0, 1e-5, 1e-5));
 }
 
-TEST(FlowMatching, ShiftedOdeScheduleOfTheSparseRecipe) {
-  // 48 teacher steps at shift 8; student anchors 0, 16, 32 -> sigmas 1, 0.94118, 0.8.
-  auto s = shifted_sigmas(48, 8.0);
-  ASSERT_EQ(s.size(), 49u);
-  EXPECT_DOUBLE_EQ(s[0], 1.0);
-  EXPECT_NEAR(s[16], 0.94118, 1e-5);
-  EXPECT_NEAR(s[32], 0.8, 1e-12);
-  EXPECT_DOUBLE_EQ(s[48], 0.0);
+TEST(FlowMatching, TimestepWarpUsesTheGridFormula) {
+  // The sampling schedules live in sample::shifted_schedule (tests/cpu/test_schedule.cpp);
+  // the warp of a training timestep is the grid's fp64 formula at t / 1000.
   EXPECT_DOUBLE_EQ(shift_timestep(400.0, 1.0), 400.0);
   EXPECT_NEAR(shift_timestep(500.0, 3.0), 750.0, 1e-9);
+  EXPECT_NEAR(shift_timestep(250.0, 8.0), 1000.0 * shifted_sigma(0.25, 8.0), 1e-9);
+  FlowMatchGrid g(8.0);
+  EXPECT_DOUBLE_EQ(g.sigma(750), shifted_sigma(0.25, 8.0));
 }
 
 TEST(LrSchedule, Shapes) {

@@ -101,6 +101,31 @@ TEST_F(ValidationFixture, SftWritesSamplesAtStartAndEveryNStepsWithoutChangingTr
   EXPECT_EQ(records, 3);
 }
 
+// FastVideo's `every_steps: 0` and vqad's `--callbacks.validation none` both turn the
+// callback off before anything is opened (the dataset file here does not exist).
+TEST_F(ValidationFixture, EveryStepsZeroOrNoneTurnsValidationOffWithoutOpeningFiles) {
+  const std::string cb = "callbacks:\n  validation:\n    _target_: fastvideo.train.callbacks.validation.ValidationCallback\n"
+                         "    dataset_file: " + (root / "no_such_prompts.json").string() + "\n"
+                         "    every_steps: 50\n    sampling_steps: [4]\n";
+  const auto zero = root / "zero", none = root / "none", plain = root / "plain";
+  train::Trainer(train::parse_run_config(sft_yaml(zero.string(), cb), {"--callbacks.validation.every_steps", "0"}),
+                 quiet()).run();
+  train::Trainer(train::parse_run_config(sft_yaml(none.string(), cb), {"--callbacks.validation", "none"}), quiet())
+      .run();
+  train::Trainer(train::parse_run_config(sft_yaml(plain.string(), "")), quiet()).run();
+  EXPECT_EQ(losses(zero), losses(plain));
+  EXPECT_EQ(losses(none), losses(plain));
+  EXPECT_FALSE(fs::exists(zero / "validation"));
+  EXPECT_FALSE(fs::exists(none / "validation"));
+  // With the callback on, the missing file is an error naming the key.
+  try {
+    train::Trainer(train::parse_run_config(sft_yaml((root / "on").string(), cb)), quiet());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("callbacks.validation.dataset_file"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(ValidationFixture, EulerSamplerMatchesAHandWrittenLoop) {
   // Euler on the shifted sigmas with CFG, written out here independently.
   torch::manual_seed(1);
@@ -111,10 +136,19 @@ TEST_F(ValidationFixture, EulerSamplerMatchesAHandWrittenLoop) {
   auto got = train::euler_sample(m, noise, text, uncond, 2.5, 3, 3.0);
   torch::NoGradGuard ng;
   auto x = noise.clone();
+  // The shifted schedule in fp32, every operation rounded in the order of spec/sparse_qad.md
+  // "Schedules": u from a symmetric fp32 linspace, sigma = S u / (1 + (S - 1) u).
+  auto sigma = [](int i) {
+    const float step = -1.0f / 3.0f;
+    volatile float prod = i < 2 ? step * static_cast<float>(i) : step * static_cast<float>(3 - i);
+    const float u = i < 2 ? 1.0f + prod : 0.0f - prod;
+    volatile float num = 3.0f * u, den_prod = 2.0f * u;
+    volatile float den = 1.0f + den_prod;
+    return num / den;
+  };
   for (int i = 0; i < 3; ++i) {
-    auto s = [](double u) { return 3.0 * u / (1.0 + 2.0 * u); };
-    const double si = s(1.0 - i / 3.0), sn = s(1.0 - (i + 1) / 3.0);
-    auto t = torch::full({1}, static_cast<float>(1000.0 * si));
+    const float si = sigma(i), sn = sigma(i + 1);
+    auto t = torch::full({1}, 1000.0f * si);
     auto vc = m.forward(x.to(torch::kBFloat16), t, text).to(torch::kFloat32);
     auto vu = m.forward(x.to(torch::kBFloat16), t, uncond).to(torch::kFloat32);
     x = x + (sn - si) * (vu + 2.5 * (vc - vu));

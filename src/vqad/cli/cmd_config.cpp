@@ -1,11 +1,13 @@
 // `vqad config CONFIG [--a.b value ...] [--dump]`: load, override, validate and
 // show what a run would use, with the two hashes recorded in checkpoint metadata.
+// `vqad config --keys`: every key of the schema with its type, default, status and help.
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "vqad/cli/commands.h"
 #include "vqad/core/attention_backend.h"
+#include "vqad/core/error.h"
 #include "vqad/train/config.h"
 
 namespace vqad::cli {
@@ -17,11 +19,29 @@ void register_config_commands(CLI::App& app) {
       "--dump the resolved config, and the sha256 of the source file and of the resolved config");
   auto path = std::make_shared<std::string>();
   auto dump = std::make_shared<bool>(false);
-  sub->add_option("config", *path, "YAML run config (FastVideo schema)")->required();
+  auto keys = std::make_shared<bool>(false);
+  sub->add_option("config", *path, "YAML run config (FastVideo schema)");
   sub->add_flag("--dump", *dump, "Print the resolved config (every value, defaults filled in) as YAML");
+  sub->add_flag("--keys", *keys,
+                "Print every config key: type, default, status (implemented / not_supported_yet / planned) "
+                "and help");
   sub->allow_extras();
   sub->footer("Overrides follow the config path: vqad config run.yaml --training.loop.max_train_steps 10");
-  set_action(sub, [sub, path, dump] {
+  set_action(sub, [sub, path, dump, keys] {
+    if (*keys) {
+      for (const auto* schema : train::run_config_schemas()) {
+        std::printf("%s\n", schema->path.c_str());
+        for (const auto& k : schema->keys) {
+          std::string status = config::key_status_name(k.status);
+          if (!k.planned_by.empty()) status += " (" + k.planned_by + ")";
+          std::printf("  %-36s %-15s default %-12s %s\n      %s\n", k.key.c_str(), config::key_type_name(k.type),
+                      k.default_value.is_null() ? "-" : k.default_value.dump().c_str(), status.c_str(),
+                      k.help.c_str());
+        }
+      }
+      return 0;
+    }
+    VQAD_CHECK(!path->empty(), "vqad config: give a config file (or --keys)");
     std::vector<std::string> overrides = sub->remaining();
     train::RunConfig cfg = train::load_run_config(*path, overrides);
     if (*dump) {

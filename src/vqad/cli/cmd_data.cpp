@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "vqad/cli/cmd_ode_cache.h"
 #include "vqad/cli/commands.h"
 #include "vqad/core/error.h"
 #include "vqad/data/arrow_util.h"
@@ -41,28 +42,76 @@ DataKind detect_kind(const std::string& first_file) {
   return schema->GetFieldByName("vae_latent_bytes") ? DataKind::T2V : DataKind::TextOnly;
 }
 
-int inspect_ode_cache(const std::string& path) {
+std::string human_bytes(double b) {
+  char buf[32];
+  if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  else if (b >= 1024.0 * 1024) std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1024.0 * 1024));
+  else std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  return buf;
+}
+
+// A cache without COMPLETE: say how far generation got, then fail.
+[[noreturn]] void incomplete_ode_cache(const std::string& path) {
+  const std::string meta_path = (fs::path(path) / "cache.json").string();
+  std::ifstream f(meta_path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    fail("ODE cache '", meta_path, "' is not valid JSON: ", e.what());
+  }
+  OdeCacheMeta::from_json(j, "ODE cache '" + meta_path + "'");
+  const int64_t n = j.value("trajectories", int64_t(0));
+  int64_t present = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    char name[48];
+    std::snprintf(name, sizeof name, "%08lld.safetensors", (long long)i);
+    present += fs::exists(fs::path(path) / "trajectories" / name);
+  }
+  fail("ODE cache '", path, "' is incomplete: ", present, " of ", n,
+       " trajectory files present and no COMPLETE marker (rerun `vqad ode-cache generate` with its recipe to "
+       "continue it)");
+}
+
+int inspect_ode_cache(const std::string& path, const std::string& recipe_path) {
+  if (!fs::exists(fs::path(path) / "COMPLETE")) incomplete_ode_cache(path);
   auto cache = OdeCache::open(path);
+  const OdeCacheReport rep = cache.verify();
+  if (!recipe_path.empty())
+    sample::check_cache_against_recipe(cache.meta(), cache.num_trajectories(), load_ode_recipe(recipe_path, {}),
+                                       "ODE cache '" + (fs::path(path) / "cache.json").string() + "'");
   const auto& m = cache.meta();
-  std::printf("ODE cache %s\n", path.c_str());
-  std::printf("  trajectories %lld, anchors %lld, pairs %lld, latent %s, dtype %s\n",
-              (long long)cache.num_trajectories(), (long long)cache.num_anchors(),
-              (long long)cache.num_pairs(), shape_of(torch::empty(m.geometry.latent_shape, torch::TensorOptions().device(torch::kMeta))).c_str(),
+  const auto& g = m.geometry;
+  std::printf("ODE cache %s: complete\n", path.c_str());
+  std::printf("  trajectories %lld, anchors %lld, pairs %lld\n", (long long)rep.trajectories, (long long)rep.anchors,
+              (long long)rep.pairs);
+  std::printf("  geometry: %lld frames at %lldx%lld -> latent %s %s\n", (long long)g.num_frames,
+              (long long)g.num_height, (long long)g.num_width, nlohmann::json(g.latent_shape).dump().c_str(),
               m.latent_dtype.c_str());
-  std::printf("  schedule: %lld teacher steps, shift %g, solver %s, anchors at",
-              (long long)m.schedule.teacher_steps, m.schedule.flow_shift, m.schedule.solver.c_str());
-  for (auto i : m.schedule.student_indices) std::printf(" %lld", (long long)i);
-  std::printf("\n  teacher: %s (%s, %s), guidance %g, %zu hashed files\n", m.teacher.model_kind.c_str(),
-              m.teacher.init_from.c_str(), m.teacher.backend.c_str(), m.teacher.guidance_scale,
-              m.teacher.file_sha256.size());
+  std::printf("  schedule: %lld teacher steps, shift %g, solver %s, sigma[1] %.9g, anchors (teacher steps) %s\n",
+              (long long)m.schedule.teacher_steps, double(m.schedule.flow_shift), m.schedule.solver.c_str(),
+              double(m.schedule.sigmas.size() > 1 ? m.schedule.sigmas[1] : 0.0f),
+              nlohmann::json(m.schedule.student_indices).dump().c_str());
+  std::printf("  teacher: %s (%s), backend %s, compute %s, state %s, guidance %g, cfg forward %s, %zu hashed files\n",
+              m.teacher.model_kind.c_str(), m.teacher.init_from.c_str(), m.teacher.backend.c_str(),
+              m.teacher.compute_dtype.c_str(), m.teacher.state_dtype.c_str(), m.teacher.guidance_scale,
+              m.teacher.cfg_forward.c_str(), m.teacher.file_sha256.size());
+  std::printf("  negative prompt: '%s' (embedding %s)\n", m.teacher.negative_prompt.c_str(),
+              m.teacher.negative_prompt_embedding.c_str());
+  std::printf("  prompts: %s, seed %lld\n", m.source.dump().c_str(), (long long)m.seed);
+  std::printf("  runtime: %s\n", m.runtime.dump().c_str());
+  std::printf("  bytes per trajectory: %lld (min %lld, max %lld), total %s\n",
+              (long long)(rep.total_bytes / std::max<int64_t>(1, rep.trajectories)), (long long)rep.min_bytes,
+              (long long)rep.max_bytes, human_bytes(double(rep.total_bytes)).c_str());
   auto t = cache.trajectory(0);
-  std::printf("  trajectory 0: '%s' prompt tokens %lld\n", t.caption.c_str(),
-              (long long)t.prompt_embedding.size(0));
+  std::printf("  trajectory 0: '%s' prompt tokens %lld\n", t.caption.c_str(), (long long)t.prompt_embedding.size(0));
+  if (!recipe_path.empty()) std::printf("  agrees with the recipe %s\n", recipe_path.c_str());
   return 0;
 }
 
-int inspect(const std::string& path, const std::string& kind_name, int show) {
-  if (fs::is_directory(path) && fs::exists(fs::path(path) / "cache.json")) return inspect_ode_cache(path);
+int inspect(const std::string& path, const std::string& kind_name, int show, const std::string& recipe) {
+  if (fs::is_directory(path) && fs::exists(fs::path(path) / "cache.json")) return inspect_ode_cache(path, recipe);
+  VQAD_CHECK(recipe.empty(), "data inspect --recipe: '", path, "' is not an ODE cache (no cache.json)");
   auto files = find_parquet_files(path);
   DataKind kind = kind_name == "auto" ? detect_kind(files[0]) : parse_data_kind(kind_name);
   DatasetOptions o;
@@ -109,14 +158,20 @@ void register_data_commands(CLI::App& app) {
   data->require_subcommand(1);
 
   {
-    auto* sub = data->add_subcommand("inspect", "Print schema, rows, shapes and captions of a dataset (or an ODE cache)");
+    auto* sub = data->add_subcommand(
+        "inspect",
+        "Print schema, rows, shapes and captions of a dataset; for an ODE cache: counts, geometry, schedule, "
+        "teacher, bytes per trajectory, and a check of every trajectory file");
     auto path = std::make_shared<std::string>();
     auto kind = std::make_shared<std::string>("auto");
     auto show = std::make_shared<int>(3);
     sub->add_option("path", *path, "dataset root, parquet file or ODE cache directory")->required();
     sub->add_option("--kind", *kind, "auto | t2v | text_only");
     sub->add_option("--rows", *show, "rows to print");
-    set_action(sub, [=] { return inspect(*path, *kind, *show); });
+    auto recipe = std::make_shared<std::string>();
+    sub->add_option("--recipe", *recipe, "ODE cache: also check geometry, schedule, anchors, guidance, seed and "
+                                         "count against this ode-cache recipe");
+    set_action(sub, [=] { return inspect(*path, *kind, *show, *recipe); });
   }
 
   {

@@ -1,9 +1,13 @@
-// `vqad train`, `vqad export`, `vqad lineage`.
+// `vqad demo`, `vqad train`, `vqad lineage` (`vqad export` is in cmd_export.cpp).
+#include <chrono>
+#include <cstdlib>
 #include <iostream>
 
 #include "vqad/cli/commands.h"
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
+#include "vqad/dist/env.h"
+#include "vqad/dist/process_group.h"
 #include "vqad/train/config.h"
 #include "vqad/train/demo.h"
 #include "vqad/train/metadata.h"
@@ -39,7 +43,11 @@ void register_train_commands(CLI::App& app) {
     auto device = std::make_shared<std::string>("auto");
     auto dry = std::make_shared<bool>(false);
     auto no_progress = std::make_shared<bool>(false);
+    auto dist_timeout = std::make_shared<double>(600.0);
     sub->add_option("config", *config, "recipe YAML")->required();
+    sub->add_option("--dist-timeout", *dist_timeout,
+                    "seconds the rendezvous and every collective may take in a launched job (default 600): a rank "
+                    "that died or hangs fails every rank after this, naming it");
     sub->add_option("--device", *device, "cpu | cuda | cuda:N | auto (default)");
     sub->add_flag("--dry-run", *dry, "validate, build every role, print the resolved config, quant plan and memory estimate");
     sub->add_flag("--no-progress", *no_progress, "no progress bar");
@@ -51,32 +59,36 @@ void register_train_commands(CLI::App& app) {
       o.device = train::parse_device(*device);
       o.dry_run = *dry;
       o.progress = !*no_progress;
-      train::Trainer trainer(run, o);
-      if (*dry) {
-        trainer.print_dry_run();
-        return 0;
+      // A rank of a launched job (vqad launch, torchrun, srun): join the world first.
+      const auto env = dist::launch_env();
+      std::shared_ptr<dist::ProcessGroup> pg;
+      if (env.distributed() && !*dry) {
+        if (o.device.is_cuda()) o.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+        VQAD_CHECK(*dist_timeout > 0, "--dist-timeout must be > 0 seconds, found ", *dist_timeout);
+        const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(*dist_timeout * 1000.0));
+        pg = dist::ProcessGroup::init(env, {timeout, o.device});
+        if (env.rank != 0) {
+          o.progress = false;
+          if (!std::getenv("VQAD_LOG")) log::set_level(log::Level::kWarn);  // rank 0 logs
+        }
       }
-      auto s = trainer.run();
+      train::TrainSummary s;
+      try {
+        train::Trainer trainer(run, o);
+        if (*dry) {
+          trainer.print_dry_run();
+          return 0;
+        }
+        s = trainer.run();
+      } catch (const std::exception& e) {
+        if (pg) pg->report_failure(e.what());
+        throw;
+      }
+      if (env.rank != 0) return 0;
       std::cout << "trained steps " << s.first_step << ".." << s.last_step << " in " << s.seconds << " s";
       if (!s.losses.empty()) std::cout << ", final loss " << s.losses.back();
       std::cout << "\n";
       for (const auto& c : s.checkpoints) std::cout << "checkpoint " << c << "\n";
-      return 0;
-    });
-  }
-  {
-    auto* sub = app.add_subcommand("export", "Export a role of a checkpoint as a Diffusers transformer directory");
-    auto ckpt = std::make_shared<std::string>();
-    auto out = std::make_shared<std::string>();
-    auto role = std::make_shared<std::string>("student");
-    auto overwrite = std::make_shared<bool>(false);
-    sub->add_option("checkpoint", *ckpt, "checkpoint-<step> directory")->required();
-    sub->add_option("out_dir", *out, "output directory (transformer/ + metadata.json)")->required();
-    sub->add_option("--role", *role, "role to export (default student)");
-    sub->add_flag("--overwrite", *overwrite, "replace an existing output directory");
-    set_action(sub, [=] {
-      auto dir = train::export_checkpoint(*ckpt, *out, *role, *overwrite);
-      std::cout << "exported " << *role << " of " << *ckpt << " to " << dir << "\n";
       return 0;
     });
   }

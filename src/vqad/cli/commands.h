@@ -22,9 +22,12 @@ void register_bench_linear_commands(CLI::App& app);
 void register_bench_wan_commands(CLI::App& app);
 void register_data_commands(CLI::App& app);
 void register_bench_attention_commands(CLI::App& app);
+void register_bench_vsa_commands(CLI::App& app);
 void register_bench_step_commands(CLI::App& app);
 void register_bench_dmd2_commands(CLI::App& app);
 void register_plot_commands(CLI::App& app);
+void register_ode_cache_commands(CLI::App& app);
+void register_bench_ode_cache_commands(CLI::App& app);
 
 // The `vqad op` parent (op-level tools); created on first use, shared by modules.
 CLI::App* op_command(CLI::App& app);

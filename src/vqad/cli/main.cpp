@@ -9,6 +9,16 @@
 #include "vqad/core/error.h"
 #include "vqad/version.h"
 
+namespace vqad::cli {
+// Registered here rather than in commands.h (adding a module rebuilds only main.cpp):
+// cli/cmd_media.cpp, cli/cmd_export.cpp, cli/cmd_sample.cpp.
+void register_media_commands(CLI::App& app);
+void register_export_commands(CLI::App& app);
+void register_sample_commands(CLI::App& app);
+void register_bench_vae_commands(CLI::App& app);  // bench/bench_vae.cpp
+void register_launch_commands(CLI::App& app);  // cmd_launch.cpp: `vqad launch`, `vqad dist check`
+}  // namespace vqad::cli
+
 int main(int argc, char** argv) {
   CLI::App app{
       "vqad - NVFP4 quantization-aware training and distillation for video diffusion "
@@ -17,7 +27,12 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   vqad::cli::register_version_commands(app);
   vqad::cli::register_train_commands(app);
+  vqad::cli::register_export_commands(app);
+  vqad::cli::register_sample_commands(app);
+  vqad::cli::register_launch_commands(app);
   vqad::cli::register_plot_commands(app);
+  vqad::cli::register_media_commands(app);
+  vqad::cli::register_bench_vae_commands(app);
   vqad::cli::register_config_commands(app);
   vqad::cli::register_op_attention_commands(app);
   vqad::cli::register_nvfp4_commands(app);
@@ -26,8 +41,11 @@ int main(int argc, char** argv) {
   vqad::cli::register_bench_wan_commands(app);
   vqad::cli::register_data_commands(app);
   vqad::cli::register_bench_attention_commands(app);
+  vqad::cli::register_bench_vsa_commands(app);
   vqad::cli::register_bench_step_commands(app);
   vqad::cli::register_bench_dmd2_commands(app);
+  vqad::cli::register_ode_cache_commands(app);
+  vqad::cli::register_bench_ode_cache_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -4,12 +4,12 @@
 
 namespace vqad::data {
 
-PrefetchLoader::PrefetchLoader(std::shared_ptr<const ParquetDataset> dataset, DpSpBatchSampler sampler,
+PrefetchLoader::PrefetchLoader(std::shared_ptr<const Dataset> dataset, DpSpBatchSampler sampler,
                                size_t prefetch_depth)
     : dataset_(std::move(dataset)), sampler_(std::move(sampler)), depth_(prefetch_depth) {
   VQAD_CHECK(dataset_ != nullptr, "data loader: no dataset");
   VQAD_CHECK(sampler_.options().dataset_size == dataset_->size(), "data loader: the sampler covers ",
-             sampler_.options().dataset_size, " rows but the dataset at '", dataset_->root(), "' has ",
+             sampler_.options().dataset_size, " rows but the dataset (", dataset_->description(), ") has ",
              dataset_->size());
   consumer_pos_ = sampler_.position();
   start();

@@ -12,7 +12,7 @@
 #include <mutex>
 #include <thread>
 
-#include "vqad/data/parquet_dataset.h"
+#include "vqad/data/dataset.h"
 #include "vqad/data/sampler.h"
 
 namespace vqad::data {
@@ -20,7 +20,7 @@ namespace vqad::data {
 class PrefetchLoader {
  public:
   // prefetch_depth >= 1 batches are read ahead; 0 reads synchronously in next().
-  PrefetchLoader(std::shared_ptr<const ParquetDataset> dataset, DpSpBatchSampler sampler,
+  PrefetchLoader(std::shared_ptr<const Dataset> dataset, DpSpBatchSampler sampler,
                  size_t prefetch_depth = 2);
   ~PrefetchLoader();
   PrefetchLoader(const PrefetchLoader&) = delete;
@@ -39,7 +39,7 @@ class PrefetchLoader {
   void stop();
   void run();
 
-  std::shared_ptr<const ParquetDataset> dataset_;
+  std::shared_ptr<const Dataset> dataset_;
   DpSpBatchSampler sampler_;  // advanced by the reading thread
   size_t depth_;
   SamplerPosition consumer_pos_;

@@ -262,11 +262,23 @@ torch::Tensor decode_latent(const RawTensor& raw, const DatasetOptions& o, const
   const int64_t plane = Tk * H * W;
   for (int64_t c = 0; c < C; ++c)
     std::memcpy(dst + c * plane, raw.bytes.data() + size_t(c * T * H * W) * 4, size_t(plane) * 4);
+  return finish_latent(out, o);
+}
+
+}  // namespace
+
+torch::Tensor finish_latent(torch::Tensor out, const DatasetOptions& o) {
   if (!o.normalize_latents) return o.bf16_latents ? out.to(torch::kBFloat16) : out;
   if (o.bf16_latents) {
     // FastVideo's order: cast to bf16, normalize in fp32, store bf16.
     return normalize_wan_latents(out.to(torch::kBFloat16).to(torch::kFloat32)).to(torch::kBFloat16);
   }
+  VQAD_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 4 &&
+                 out.size(0) == kWanLatentChannels,
+             "dataset: a latent to normalize must be a contiguous float32 [16, T, H, W] tensor, found ",
+             out.sizes());
+  const int64_t C = out.size(0), plane = out[0].numel();
+  float* dst = out.data_ptr<float>();
   for (int64_t c = 0; c < C; ++c) {
     const float m = kWanLatentMean[size_t(c)], sd = kWanLatentStd[size_t(c)];
     float* p = dst + c * plane;
@@ -275,7 +287,16 @@ torch::Tensor decode_latent(const RawTensor& raw, const DatasetOptions& o, const
   return out;
 }
 
-}  // namespace
+void fill_text(Sample& s, const void* data, int64_t L, int64_t D, const DatasetOptions& o) {
+  const int64_t keep = std::min(L, o.text_len);
+  s.text_tokens = L;
+  s.text_dropped = cfg_drop(o.seed, s.index, o.cfg_rate);
+  s.text = torch::zeros({o.text_len, D}, torch::kFloat32);
+  if (!s.text_dropped && keep > 0) std::memcpy(s.text.data_ptr<float>(), data, size_t(keep * D) * 4);
+  // A dropped row keeps the mask of its real tokens (FastVideo zeroes only the values).
+  s.text_mask = torch::zeros({o.text_len}, torch::kFloat32);
+  if (keep > 0) s.text_mask.narrow(0, 0, keep).fill_(1.0f);
+}
 
 Sample ParquetDataset::get(int64_t index) const {
   const RowLocation loc = locate(index);
@@ -366,15 +387,7 @@ Sample ParquetDataset::get(int64_t index) const {
   if (options_.text_dim > 0)
     VQAD_CHECK(D == options_.text_dim, ctx.col("text_embedding_shape"), ": expected width ",
                options_.text_dim, ", found shape ", shape_str(text.shape));
-  const int64_t keep = std::min(L, options_.text_len);
-  s.text_tokens = L;
-  s.text_dropped = cfg_drop(options_.seed, index, options_.cfg_rate);
-  s.text = torch::zeros({options_.text_len, D}, torch::kFloat32);
-  if (!s.text_dropped && keep > 0)
-    std::memcpy(s.text.data_ptr<float>(), text.bytes.data(), size_t(keep * D) * 4);
-  // A dropped row keeps the mask of its real tokens (FastVideo zeroes only the values).
-  s.text_mask = torch::zeros({options_.text_len}, torch::kFloat32);
-  if (keep > 0) s.text_mask.narrow(0, 0, keep).fill_(1.0f);
+  fill_text(s, text.bytes.data(), L, D, options_);
   return s;
 }
 
@@ -413,6 +426,28 @@ Batch ParquetDataset::get_batch(const std::vector<int64_t>& indices) const {
   samples.reserve(indices.size());
   for (auto i : indices) samples.push_back(get(i));
   return collate(std::move(samples));
+}
+
+}  // namespace vqad::data
+
+namespace vqad::data {
+
+std::string ParquetDataset::description() const {
+  return "parquet " + to_string(options_.kind) + ", " + std::to_string(files_.size()) + " files, " +
+         std::to_string(total_rows_) + " rows under " + root_;
+}
+
+nlohmann::json ParquetDataset::identity() const {
+  return {{"kind", "parquet"},
+          {"schema", to_string(options_.kind)},
+          {"root", root_},
+          {"files", files_.size()},
+          {"rows", total_rows_},
+          {"text_len", options_.text_len},
+          {"num_latent_t", options_.num_latent_t},
+          {"normalize_latents", options_.normalize_latents},
+          {"cfg_rate", options_.cfg_rate},
+          {"seed", options_.seed}};
 }
 
 }  // namespace vqad::data

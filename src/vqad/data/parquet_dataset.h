@@ -20,6 +20,9 @@
 #include <utility>
 #include <vector>
 
+#include "vqad/data/batch.h"
+#include "vqad/data/dataset.h"
+
 namespace vqad::data {
 
 enum class DataKind { T2V, TextOnly };
@@ -64,13 +67,6 @@ struct RowLocation {
   int64_t row_in_group = 0;
 };
 
-// Optional per-row metadata (absent columns / nulls leave the defaults).
-struct RowInfo {
-  std::string file_name, media_type;
-  int64_t width = -1, height = -1, num_frames = -1;
-  double duration_sec = -1.0, fps = -1.0;
-};
-
 struct Sample {
   int64_t index = -1;           // global row
   std::string id, caption;
@@ -82,20 +78,12 @@ struct Sample {
   bool text_dropped = false;
 };
 
-struct Batch {
-  std::vector<int64_t> indices;
-  std::vector<std::string> ids, captions;
-  std::vector<RowInfo> infos;
-  std::vector<bool> text_dropped;
-  torch::Tensor latent;     // [B, 16, T, H, W] (undefined for text_only)
-  torch::Tensor text;       // [B, text_len, D]
-  torch::Tensor text_mask;  // [B, text_len]
-};
+// Batch (batch.h) is included from here so that older includes keep working.
 
 // Sorted list of *.parquet files under root (root may also be one file).
 std::vector<std::string> find_parquet_files(const std::string& root);
 
-class ParquetDataset {
+class ParquetDataset final : public Dataset {
  public:
   static std::shared_ptr<ParquetDataset> open(const std::string& root, DatasetOptions options);
   // Several roots, each repeated `repeat` times (FastVideo's "a:2,b" data_path): one
@@ -103,20 +91,22 @@ class ParquetDataset {
   static std::shared_ptr<ParquetDataset> open_sources(const std::vector<std::pair<std::string, int64_t>>& sources,
                                                       DatasetOptions options);
 
-  int64_t size() const { return total_rows_; }
+  int64_t size() const override { return total_rows_; }
   const std::vector<FileEntry>& files() const { return files_; }
   const DatasetOptions& options() const { return options_; }
-  const std::string& root() const { return root_; }
+  std::string root() const override { return root_; }
+  std::string description() const override;
+  nlohmann::json identity() const override;
 
   RowLocation locate(int64_t index) const;
   // Thread-safe; errors name the file and the row.
   Sample get(int64_t index) const;
   // Stacks the rows; all rows of a batch must share the latent shape.
-  Batch get_batch(const std::vector<int64_t>& indices) const;
+  Batch get_batch(const std::vector<int64_t>& indices) const override;
 
   ParquetDataset(const ParquetDataset&) = delete;
   ParquetDataset& operator=(const ParquetDataset&) = delete;
-  ~ParquetDataset();
+  ~ParquetDataset() override;
 
   struct Impl;
 
@@ -131,5 +121,12 @@ class ParquetDataset {
 
 // Stacks samples (used by get_batch and by callers that assemble rows themselves).
 Batch collate(std::vector<Sample> samples);
+
+// The reader's last steps, shared with datasets that produce rows in memory (synthetic):
+// a raw float32 [16, T, H, W] latent (contiguous, already cut to num_latent_t) -> the
+// normalized training latent; a raw [L, D] float32 text embedding -> s.text / s.text_mask
+// padded or cropped to text_len, with the row's dropout (cfg_drop(seed, s.index, cfg_rate)).
+torch::Tensor finish_latent(torch::Tensor raw, const DatasetOptions& options);
+void fill_text(Sample& s, const void* data, int64_t L, int64_t D, const DatasetOptions& options);
 
 }  // namespace vqad::data

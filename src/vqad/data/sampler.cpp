@@ -102,6 +102,7 @@ nlohmann::json DpSpBatchSampler::state() const {
           {"batch_size", options_.batch_size},
           {"num_sp_groups", options_.num_sp_groups},
           {"sp_group", options_.sp_group},
+          {"global_batch_size", options_.batch_size * options_.num_sp_groups},
           {"seed", options_.seed},
           {"drop_last", options_.drop_last},
           {"reshuffle_each_epoch", options_.reshuffle_each_epoch},
@@ -121,9 +122,18 @@ void DpSpBatchSampler::load_state(const nlohmann::json& s) {
                " now; resuming would continue a different data order");
   };
   same("dataset_size", options_.dataset_size);
-  same("batch_size", options_.batch_size);
-  same("num_sp_groups", options_.num_sp_groups);
-  same("sp_group", options_.sp_group);
+  // The position counts global batches: it means the same rows on any number of SP groups
+  // with the same global batch (group g takes rows g::G of each global batch), so a run
+  // resumes on a different world size as long as the global batch is unchanged.
+  VQAD_CHECK(s.contains("batch_size") && s.contains("num_sp_groups"),
+             "data sampler state: missing key 'batch_size' or 'num_sp_groups'");
+  const int64_t saved_bs = s.at("batch_size").get<int64_t>(), saved_groups = s.at("num_sp_groups").get<int64_t>();
+  VQAD_CHECK(saved_bs * saved_groups == options_.batch_size * options_.num_sp_groups,
+             "data sampler state: the global batch was ", saved_bs * saved_groups, " (", saved_groups,
+             " data-parallel groups x batch ", saved_bs, ") in the saved state but is ",
+             options_.batch_size * options_.num_sp_groups, " (", options_.num_sp_groups, " x ",
+             options_.batch_size, ") now; resuming would continue a different data order (keep num_gpus / sp_size x "
+             "train_batch_size constant)");
   same("seed", options_.seed);
   same("drop_last", options_.drop_last);
   same("reshuffle_each_epoch", options_.reshuffle_each_epoch);

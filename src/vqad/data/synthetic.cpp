@@ -119,4 +119,72 @@ std::vector<std::string> write_synthetic_dataset(const std::string& directory, i
   return writer.close();
 }
 
+SyntheticDataset::SyntheticDataset(int64_t rows, SynthOptions synth, DatasetOptions options)
+    : rows_(rows), synth_(synth), options_(options) {
+  VQAD_CHECK(rows_ > 0, "synthetic dataset: rows must be positive, found ", rows_);
+  VQAD_CHECK(synth_.kind == options_.kind, "synthetic dataset: generator kind ", to_string(synth_.kind),
+             " differs from the reader kind ", to_string(options_.kind));
+  VQAD_CHECK(options_.text_len > 0, "synthetic dataset: text_len must be positive, found ", options_.text_len);
+  VQAD_CHECK(options_.text_dim <= 0 || options_.text_dim == synth_.text_dim, "synthetic dataset: text_dim ",
+             synth_.text_dim, " differs from the expected ", options_.text_dim);
+  VQAD_CHECK(options_.num_latent_t >= 0 && options_.num_latent_t <= synth_.latent_t,
+             "synthetic dataset: num_latent_t = ", options_.num_latent_t, " exceeds the generated ", synth_.latent_t,
+             " latent frames");
+  VQAD_CHECK(options_.cfg_rate >= 0.0 && options_.cfg_rate <= 1.0,
+             "synthetic dataset: training_cfg_rate must lie in [0, 1], found ", options_.cfg_rate);
+}
+
+Sample SyntheticDataset::get(int64_t index) const {
+  VQAD_CHECK(index >= 0 && index < rows_, "synthetic dataset: row ", index, " is out of range (", rows_, " rows)");
+  ParquetRecord r = synth_record(synth_, index);
+  Sample s;
+  s.index = index;
+  s.id = r.id;
+  s.caption = r.caption;
+  s.info.file_name = r.file_name;
+  s.info.media_type = r.media_type;
+  if (options_.kind == DataKind::T2V) {
+    s.info.width = r.width;
+    s.info.height = r.height;
+    s.info.num_frames = r.num_frames;
+    s.info.duration_sec = r.duration_sec;
+    s.info.fps = r.fps;
+    const int64_t Tk = options_.num_latent_t > 0 ? options_.num_latent_t : r.latent.size(1);
+    auto raw = r.latent.to(torch::kFloat32).narrow(1, 0, Tk).contiguous().clone();
+    s.latent = finish_latent(raw, options_);
+  }
+  auto text = r.text.to(torch::kFloat32).contiguous();
+  fill_text(s, text.data_ptr<float>(), text.size(0), text.size(1), options_);
+  return s;
+}
+
+Batch SyntheticDataset::get_batch(const std::vector<int64_t>& indices) const {
+  std::vector<Sample> samples;
+  samples.reserve(indices.size());
+  for (auto i : indices) samples.push_back(get(i));
+  return collate(std::move(samples));
+}
+
+std::string SyntheticDataset::root() const { return "synthetic://" + std::to_string(rows_); }
+
+std::string SyntheticDataset::description() const {
+  return "synthetic " + to_string(options_.kind) + ", " + std::to_string(rows_) + " rows in memory, latents [16, " +
+         std::to_string(synth_.latent_t) + ", " + std::to_string(synth_.latent_h) + ", " +
+         std::to_string(synth_.latent_w) + "]";
+}
+
+nlohmann::json SyntheticDataset::identity() const {
+  return {{"kind", "synthetic"},
+          {"schema", to_string(options_.kind)},
+          {"root", root()},
+          {"rows", rows_},
+          {"latent", {synth_.latent_t, synth_.latent_h, synth_.latent_w}},
+          {"text_dim", synth_.text_dim},
+          {"synth_seed", synth_.seed},
+          {"text_len", options_.text_len},
+          {"num_latent_t", options_.num_latent_t},
+          {"cfg_rate", options_.cfg_rate},
+          {"seed", options_.seed}};
+}
+
 }  // namespace vqad::data

@@ -6,11 +6,17 @@
 // brings it back to unit scale). The caption names the blobs' colour word, motion
 // direction and background, and the text embedding is a per-word deterministic
 // vector, so captions and latents are correlated and a model can learn the pairing.
+//
+// SyntheticDataset serves the same rows from memory through the Dataset interface
+// (training data_path "synthetic://ROWS"), identical to writing them with
+// write_synthetic_dataset and reading them back with ParquetDataset.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "vqad/data/dataset.h"
 #include "vqad/data/parquet_writer.h"
 
 namespace vqad::data {
@@ -33,5 +39,23 @@ ParquetRecord synth_record(const SynthOptions& options, int64_t g);
 std::vector<std::string> write_synthetic_dataset(const std::string& directory, int64_t rows,
                                                  const SynthOptions& options,
                                                  const WriterOptions& writer);
+
+class SyntheticDataset final : public Dataset {
+ public:
+  // synth.kind must equal options.kind; options as for ParquetDataset (text_len,
+  // num_latent_t, normalization, dropout).
+  SyntheticDataset(int64_t rows, SynthOptions synth, DatasetOptions options);
+  int64_t size() const override { return rows_; }
+  Sample get(int64_t index) const;
+  Batch get_batch(const std::vector<int64_t>& indices) const override;
+  std::string description() const override;
+  nlohmann::json identity() const override;
+  std::string root() const override;
+
+ private:
+  int64_t rows_;
+  SynthOptions synth_;
+  DatasetOptions options_;
+};
 
 }  // namespace vqad::data

@@ -1,5 +1,7 @@
 #include "vqad/ops/nvfp4_linear.h"
 
+#include "vqad/ops/nvfp4_packed_linear.h"
+
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -32,7 +34,7 @@ float fixed_activation_scale(ScaleMode mode, float act_amax, const char* what) {
   VQAD_CHECK(mode == ScaleMode::kStatic, what, ": no fixed activation scale for mode ", nvfp4::scale_mode_name(mode));
   VQAD_CHECK(act_amax > 0.0f && std::isfinite(act_amax), what,
              ": a static activation scale needs a positive finite amax, got ", act_amax);
-  return nvfp4::encode_scale_from_amax(act_amax);
+  return static_activation_encode_scale(act_amax);
 }
 
 void check_linear_args(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
@@ -66,20 +68,28 @@ std::vector<int64_t> output_shape(const torch::Tensor& x, int64_t n) {
 }
 
 // --- CPU forward ----------------------------------------------------------------------
-torch::Tensor forward_cpu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                          ScaleMode act_mode, float act_amax) {
-  const int64_t n = weight.size(0), k = weight.size(1);
+// The activation half of the CPU linear and the GEMM, given the weight's unit-scaled
+// operand wu [N, K] (fp32 values e2m1 * S) and its decode scale w_dec = 1 / s_enc_w: the
+// fake-quant linear (wu from the master weight) and the packed linear (wu from the stored
+// codes and scales) share every rounding from here on.
+torch::Tensor unit_gemm_cpu(const torch::Tensor& x, const torch::Tensor& wu, float w_dec, const torch::Tensor& bias,
+                            ScaleMode act_mode, float act_amax) {
+  const int64_t n = wu.size(0), k = wu.size(1);
   const torch::Tensor x2 = x.reshape({-1, k});
   const float s_enc_x = act_mode == ScaleMode::kDynamic ? nvfp4::encode_scale_from_amax(bf16_amax_cpu(x2))
                                                         : fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
-  const float s_enc_w = nvfp4::encode_scale_from_amax(bf16_amax_cpu(weight));
-  const float alpha = (1.0f / s_enc_x) * (1.0f / s_enc_w);
+  const float alpha = (1.0f / s_enc_x) * w_dec;
   const torch::Tensor xu = nvfp4_unit_operand_cpu(x2, s_enc_x);
-  const torch::Tensor wu = nvfp4_unit_operand_cpu(weight, s_enc_w);
   torch::Tensor acc = torch::mm(xu, wu.t());  // fp32 accumulation of exact products
   acc.mul_(alpha);
   if (bias.defined()) acc.add_(bias.to(torch::kBFloat16).to(torch::kFloat32));
   return acc.to(torch::kBFloat16).to(x.scalar_type()).reshape(output_shape(x, n));
+}
+
+torch::Tensor forward_cpu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          ScaleMode act_mode, float act_amax) {
+  const float s_enc_w = nvfp4::encode_scale_from_amax(bf16_amax_cpu(weight));
+  return unit_gemm_cpu(x, nvfp4_unit_operand_cpu(weight, s_enc_w), 1.0f / s_enc_w, bias, act_mode, act_amax);
 }
 
 #ifdef VQAD_WITH_TORCH_CUDA
@@ -93,6 +103,23 @@ void check_cuda_device(const torch::Tensor& x, const torch::Tensor& weight) {
   std::string why;
   VQAD_CHECK(kl::kernels_available(x.get_device(), &why), "nvfp4_linear: x ", shape_str(x), ", weight ",
              shape_str(weight), ": ", why);
+}
+
+// y = bf16(alpha * xu . wu^T + bf16(b)) for bf16 unit operands xu [M, K], wu [N, K], then x's dtype.
+torch::Tensor unit_gemm_cuda(const torch::Tensor& x, const torch::Tensor& xu, const torch::Tensor& wu,
+                             const torch::Tensor& bias, const float* alpha_beta, cudaStream_t stream) {
+  const int64_t m = xu.size(0), n = wu.size(0), k = wu.size(1);
+  torch::Tensor bias_bf16;
+  if (bias.defined()) bias_bf16 = bias.to(torch::kBFloat16).contiguous();
+  // Compute dtype BF16 (spec/linear_qat.md): one bf16 rounding of alpha * acc + bias, then
+  // x's dtype, exactly as forward_cpu.
+  torch::Tensor y = torch::empty({m, n}, xu.options());
+  const void* bias_ptr = bias_bf16.defined() ? bias_bf16.data_ptr() : nullptr;
+  const size_t ws_bytes = kl::gemm_workspace_bytes(m, n, bias_ptr, y.data_ptr());
+  torch::Tensor workspace = torch::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(torch::kUInt8));
+  kl::gemm_bf16_nt(xu.data_ptr(), wu.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, alpha_beta, workspace.data_ptr(),
+                   ws_bytes, stream);
+  return y.to(x.scalar_type()).reshape(output_shape(x, n));
 }
 
 torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
@@ -123,17 +150,38 @@ torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, 
   torch::Tensor wu = torch::empty({n, k}, bf16);
   kl::launch_unit_operand(x2.data_ptr(), elem_type(x2), m, k, s + 2, xu.data_ptr(), stream);
   kl::launch_unit_operand(w2.data_ptr(), elem_type(w2), n, k, s + 3, wu.data_ptr(), stream);
-  torch::Tensor bias_bf16;
-  if (bias.defined()) bias_bf16 = bias.to(torch::kBFloat16).contiguous();
-  // Compute dtype BF16 (spec/linear_qat.md): one bf16 rounding of alpha * acc + bias, then
-  // x's dtype, exactly as forward_cpu.
-  torch::Tensor y = torch::empty({m, n}, bf16);
-  const void* bias_ptr = bias_bf16.defined() ? bias_bf16.data_ptr() : nullptr;
-  const size_t ws_bytes = kl::gemm_workspace_bytes(m, n, bias_ptr, y.data_ptr());
-  torch::Tensor workspace = torch::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(torch::kUInt8));
-  kl::gemm_bf16_nt(xu.data_ptr(), wu.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, s + 4, workspace.data_ptr(),
-                   ws_bytes, stream);
-  return y.to(x.scalar_type()).reshape(output_shape(x, n));
+  return unit_gemm_cuda(x, xu, wu, bias, s + 4, stream);
+}
+
+// The packed (pre-quantized) linear on a GPU: wu is the stored unit-scaled weight
+// operand [N, K] in bf16 (exact) and w_dec its decode scale; the activation and the
+// GEMM run exactly as in forward_cuda, and alpha = (1 / s_enc_x) * w_dec is the same
+// product forward_cuda's scale kernel forms from the dynamic weight scale.
+torch::Tensor forward_cuda_unit_weight(const torch::Tensor& x, const torch::Tensor& wu, float w_dec,
+                                       const torch::Tensor& bias, ScaleMode act_mode, float act_amax) {
+  check_cuda_device(x, wu);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t k = wu.size(1);
+  auto aligned = [](torch::Tensor t) {
+    t = t.contiguous();
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+  };
+  const torch::Tensor x2 = aligned(x.reshape({-1, k}));
+  const int64_t m = x2.size(0);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  // {amax_x, placeholder weight amax (1), s_enc_x, unused, alpha, beta}
+  torch::Tensor scalars = torch::zeros({8}, x.options().dtype(torch::kFloat32));
+  scalars.narrow(0, 1, 1).fill_(1.0);
+  float* s = scalars.data_ptr<float>();
+  const bool dynamic = act_mode == ScaleMode::kDynamic;
+  const float act_s_enc = dynamic ? 0.0f : fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
+  if (dynamic) kl::launch_bf16_amax(x2.data_ptr(), elem_type(x2), x2.numel(), s + 0, stream);
+  kl::launch_linear_scales(dynamic ? s + 0 : nullptr, act_s_enc, s + 1, s + 2, stream);
+  // alpha = (1 / s_enc_x) * w_dec, both IEEE-rounded fp32 operations, on the device (no sync).
+  scalars.narrow(0, 4, 1).copy_(scalars.narrow(0, 2, 1).reciprocal().mul(static_cast<double>(w_dec)));
+  torch::Tensor xu = torch::empty({m, k}, x.options().dtype(torch::kBFloat16));
+  kl::launch_unit_operand(x2.data_ptr(), elem_type(x2), m, k, s + 2, xu.data_ptr(), stream);
+  return unit_gemm_cuda(x, xu, aligned(wu.to(torch::kBFloat16)), bias, s + 4, stream);
 }
 #endif
 
@@ -213,6 +261,22 @@ torch::Tensor nvfp4_linear(const torch::Tensor& x, const torch::Tensor& weight, 
                                           static_cast<double>(act_amax));
   }
   return Nvfp4LinearNoBiasFunction::apply(x, weight, static_cast<int64_t>(act_mode), static_cast<double>(act_amax));
+}
+
+float static_activation_encode_scale(float amax) { return nvfp4::encode_scale_from_amax(amax); }
+
+torch::Tensor nvfp4_linear_unit_weight(const torch::Tensor& x, const torch::Tensor& wu, float w_dec,
+                                       const torch::Tensor& bias, nvfp4::ScaleMode act_mode, float act_amax) {
+  check_linear_args(x, wu, bias);
+  if (act_mode != ScaleMode::kDynamic) fixed_activation_scale(act_mode, act_amax, "nvfp4_linear_unit_weight");
+  VQAD_CHECK(std::isfinite(w_dec) && w_dec > 0.0f, "nvfp4_linear_unit_weight: weight decode scale must be positive "
+             "and finite, got ", w_dec);
+  if (x.device().is_cpu()) return unit_gemm_cpu(x, wu.to(torch::kFloat32), w_dec, bias, act_mode, act_amax);
+#ifdef VQAD_WITH_TORCH_CUDA
+  if (x.device().is_cuda()) return forward_cuda_unit_weight(x, wu, w_dec, bias, act_mode, act_amax);
+#endif
+  fail("nvfp4_linear_unit_weight: no NVFP4 linear for device ", x.device(), " in this build (x ", shape_str(x),
+       ", weight ", shape_str(wu), ")");
 }
 
 float bf16_amax_cpu(const torch::Tensor& t) {
@@ -363,6 +427,38 @@ std::string Nvfp4QadLinear::describe() const {
     a += input_amax_ ? "(amax=" + format_amax(*input_amax_) + ")" : std::string("(uncalibrated)");
   }
   return std::string("nvfp4-qad W:dynamic A:") + a + (enabled_ ? "" : " [disabled]");
+}
+
+// --- Nvfp4PackedLinear ----------------------------------------------------------------------
+Nvfp4PackedLinear::Nvfp4PackedLinear(std::string name, torch::Tensor unit_weight, float weight_decode_scale,
+                                     nvfp4::ScaleMode act_mode, float act_amax)
+    : name_(std::move(name)), w_dec_(weight_decode_scale), act_mode_(act_mode), act_amax_(act_amax) {
+  VQAD_CHECK(unit_weight.defined() && unit_weight.dim() == 2 && unit_weight.size(1) % nvfp4::kBlock == 0,
+             "packed NVFP4 linear '", name_, "': unit weight must be [N, K % 16 == 0], got ",
+             unit_weight.defined() ? shape_str(unit_weight) : std::string("undefined"));
+  VQAD_CHECK(std::isfinite(w_dec_) && w_dec_ > 0.0f, "packed NVFP4 linear '", name_,
+             "': weight_scale_2 must be positive and finite, got ", w_dec_);
+  if (act_mode_ != ScaleMode::kDynamic) fixed_activation_scale(act_mode_, act_amax_, name_.c_str());
+  unit_weight_ = unit_weight.to(torch::kCPU, torch::kFloat32).contiguous();
+}
+
+torch::Tensor Nvfp4PackedLinear::forward(const torch::Tensor& x, const torch::Tensor& weight,
+                                         const torch::Tensor& bias) {
+  VQAD_CHECK(!(torch::GradMode::is_enabled() && (x.requires_grad() || (weight.defined() && weight.requires_grad()))),
+             "packed NVFP4 linear '", name_, "' is inference-only (its weight exists only quantized); to train "
+             "from a packed export use it as init_from");
+  VQAD_CHECK(!weight.defined() || weight.sizes() == unit_weight_.sizes(), "packed NVFP4 linear '", name_,
+             "': model weight ", shape_str(weight), " does not match the packed weight ", shape_str(unit_weight_));
+  if (x.device().is_cpu()) return nvfp4_linear_unit_weight(x, unit_weight_, w_dec_, bias, act_mode_, act_amax_);
+  if (!device_copy_.defined() || device_copy_.device() != x.device())
+    device_copy_ = unit_weight_.to(x.device(), torch::kBFloat16).contiguous();
+  return nvfp4_linear_unit_weight(x, device_copy_, w_dec_, bias, act_mode_, act_amax_);
+}
+
+std::string Nvfp4PackedLinear::describe() const {
+  std::string a = nvfp4::scale_mode_name(act_mode_);
+  if (act_mode_ == ScaleMode::kStatic) a += "(amax=" + format_amax(act_amax_) + ")";
+  return "nvfp4-packed W:stored(weight_scale_2=" + format_amax(w_dec_) + ") A:" + a;
 }
 
 void set_qad_enabled(const std::vector<std::shared_ptr<Nvfp4QadLinear>>& layers, bool enabled) {

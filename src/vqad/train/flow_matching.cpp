@@ -12,8 +12,7 @@ FlowMatchGrid::FlowMatchGrid(double shift, int n) : shift_(shift) {
   sigmas_.resize(n);
   timesteps_.resize(n);
   for (int i = 0; i < n; ++i) {
-    const double s = static_cast<double>(n - i) / n;
-    const double sigma = shift * s / (1.0 + (shift - 1.0) * s);
+    const double sigma = shifted_sigma(static_cast<double>(n - i) / n, shift);
     sigmas_[i] = sigma;
     timesteps_[i] = 1000.0 * sigma;
   }
@@ -66,18 +65,12 @@ torch::Tensor FlowMatchGrid::predict_x0(const torch::Tensor& x_t, const torch::T
   return (x_t.to(torch::kFloat64) - s * v.to(torch::kFloat64)).to(v.scalar_type());
 }
 
-std::vector<double> shifted_sigmas(int steps, double shift) {
-  VQAD_CHECK(steps > 0, "sampling steps must be > 0, found ", steps);
-  std::vector<double> out(steps + 1);
-  for (int i = 0; i <= steps; ++i) {
-    const double s = 1.0 - static_cast<double>(i) / steps;
-    out[i] = shift * s / (1.0 + (shift - 1.0) * s);
-  }
-  return out;
-}
+double shifted_sigma(double s, double shift) { return shift * s / (1.0 + (shift - 1.0) * s); }
 
 double shift_timestep(double t, double shift) {
   if (shift == 1.0) return t;
+  // shifted_sigma's formula with the factor 1000 applied first (kept in this order so
+  // that DMD2's sampled timesteps keep their fp64 bits).
   const double x = t / 1000.0;
   return 1000.0 * shift * x / (1.0 + (shift - 1.0) * x);
 }

@@ -33,9 +33,14 @@ class FlowMatchGrid {
   std::vector<double> sigmas_, timesteps_;
 };
 
-// Sampling schedule: sigma(s) = S s / (1 + (S-1) s) for s = linspace(1, 0, steps+1).
-std::vector<double> shifted_sigmas(int steps, double shift);
-// shift_timestep(t, S) = 1000 S (t/1000) / (1 + (S-1) t/1000); identity for S == 1.
+// Sampling schedules (the Euler solver, the DMD sampler's shifted_ode_schedule, the ODE
+// cache) are not computed here: they come from sample::shifted_schedule (fp32, bit-exact
+// with seeds/004). This file holds only the training grid and the timestep warp below,
+// which share one fp64 formula, shifted_sigma().
+
+// sigma = S s / (1 + (S-1) s) in fp64: the training grid's points and the timestep warp.
+double shifted_sigma(double s, double shift);
+// shift_timestep(t, S) = 1000 shifted_sigma(t/1000, S) (up to fp64 rounding order); identity for S == 1.
 double shift_timestep(double t, double shift);
 
 }  // namespace vqad::train

@@ -15,6 +15,7 @@
 #include "vqad/core/sha256.h"
 #include "vqad/ops/attention.h"
 #include "vqad/train/checkpoint_dir.h"
+#include "vqad/train/methods/registry.h"
 #include "vqad/version.h"
 #include "vqad/build_info.h"
 
@@ -120,29 +121,9 @@ nlohmann::json build_metadata(const RunConfig& run, const std::map<std::string, 
   contract["precision"] = {{"master_weights", "FP32"},
                            {"compute", c10::toString(student.model->options().compute_dtype)},
                            {"layernorm_modulation_rope", "FP32"}};
-  nlohmann::json sup;
+  // The method's own account of what it optimizes (methods/registry.h).
+  nlohmann::json sup = method_registration(run).supervision(run, student);
   sup["method"] = method_name(run.method.kind);
-  if (run.method.kind == MethodKind::kSft) {
-    sup["objective"] = "flow_matching_velocity_mse";
-    sup["loss"] = "mean((v - (noise - x0))^2) in fp32";
-    sup["weighting_scheme"] = run.training.model.weighting_scheme;
-    sup["flow_shift"] = student.config.flow_shift;
-  } else if (run.method.kind == MethodKind::kDmd2) {
-    const auto& d = run.method.dmd2;
-    sup["objective"] = "distribution_matching_distillation_dmd2";
-    sup["generator_loss"] = "0.5 mean((x0 - sg(x0 - grad))^2), grad = nan_to_num((critic_x0 - teacher_cfg_x0) / "
-                            "mean|x0 - teacher_cfg_x0|), fp32";
-    sup["critic_loss"] = "mean((v_critic - (noise - x0_student))^2) in fp32 on an independent no-grad rollout";
-    sup["rollout_mode"] = rollout_mode_name(d.rollout_mode);
-    sup["dmd_denoising_steps"] = d.dmd_denoising_steps;
-    sup["generator_update_interval"] = d.generator_update_interval;
-    sup["real_score_guidance_scale"] = d.real_score_guidance_scale;
-    sup["score_timestep"] = {{"shift", run.pipeline.flow_shift.value_or(student.config.flow_shift)},
-                             {"min_ratio", d.min_timestep_ratio},
-                             {"max_ratio", d.max_timestep_ratio}};
-    sup["unconditional_text"] = d.cfg_uncond ? d.cfg_uncond->text : std::string("negative_prompt");
-    if (!d.negative_prompt_embedding.empty()) sup["negative_prompt_embedding"] = d.negative_prompt_embedding;
-  }
   contract["supervision"] = sup;
   nlohmann::json roles_j = nlohmann::json::object(), frozen = nlohmann::json::array(), ckpt = nlohmann::json::array();
   for (const auto& [name, r] : roles) {

@@ -1,6 +1,7 @@
 #include "vqad/train/sampling.h"
 
 #include "vqad/core/error.h"
+#include "vqad/sample/schedule.h"
 
 namespace vqad::train {
 
@@ -8,19 +9,22 @@ torch::Tensor euler_sample(model::WanModel& m, const torch::Tensor& noise, const
                            const torch::Tensor& uncond, double guidance, int steps, double shift) {
   torch::NoGradGuard ng;
   const auto dtype = m.options().compute_dtype;
-  const auto sig = shifted_sigmas(steps, shift);
+  VQAD_CHECK(steps > 0, "sampling steps must be > 0, found ", steps);
+  const auto sched = sample::shifted_schedule(static_cast<float>(shift), steps);
+  const auto& sig = sched.sigmas;
   const int64_t B = noise.size(0);
   auto x = noise.to(torch::kFloat32);
   const bool cfg = uncond.defined() && guidance != 1.0;
   for (int i = 0; i < steps; ++i) {
-    auto t = torch::full({B}, static_cast<float>(1000.0 * sig[i]), torch::TensorOptions(noise.device()));
+    auto t = torch::full({B}, sched.timesteps[size_t(i)], torch::TensorOptions(noise.device()));
     auto xin = x.to(dtype);
     auto v = m.forward(xin, t, text).to(torch::kFloat32);
     if (cfg) {
       auto vu = m.forward(xin, t, uncond).to(torch::kFloat32);
       v = vu + guidance * (v - vu);
     }
-    x = x + (sig[i + 1] - sig[i]) * v;
+    const float dsigma = sig[size_t(i) + 1] - sig[size_t(i)];
+    x = x + dsigma * v;
   }
   return x;
 }

@@ -11,9 +11,10 @@
 
 namespace vqad::train {
 
-// Euler on sigma(s) = shifted_sigmas(steps, shift): x <- x + (sigma_{i+1} - sigma_i) v,
-// v = v_u + guidance (v_c - v_u) at t = 1000 sigma_i (v_c alone when guidance == 1 or
-// `uncond` is undefined). Returns the final x (sigma 0) in fp32.
+// Euler on sample::shifted_schedule(shift, steps) (fp32 sigmas and timesteps):
+// x <- x + fp32(sigma_{i+1} - sigma_i) v, v = v_u + guidance (v_c - v_u) at t = timesteps[i]
+// (v_c alone when guidance == 1 or `uncond` is undefined), fp32 state. Returns the final
+// x (sigma 0) in fp32.
 torch::Tensor euler_sample(model::WanModel& m, const torch::Tensor& noise, const torch::Tensor& text,
                            const torch::Tensor& uncond, double guidance, int steps, double shift);
 

@@ -1,33 +1,32 @@
 #include "vqad/train/trainer.h"
 
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
+#include <optional>
+#include <sstream>
 
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/core/metrics.h"
 #include "vqad/core/progress.h"
 #include "vqad/core/safetensors.h"
+#include "vqad/data/dataset.h"
 #include "vqad/data/loader.h"
-#include "vqad/data/parquet_dataset.h"
 #include "vqad/data/sampler.h"
+#include "vqad/dist/batch_random.h"
+#include "vqad/dist/data_parallel.h"
+#include "vqad/dist/memory.h"
 #include "vqad/model/wan/model.h"
-#include "vqad/model/wan/weights.h"
 #include "vqad/train/checkpoint_dir.h"
-#include "vqad/train/lr_schedule.h"
 #include "vqad/train/metadata.h"
-#include "vqad/train/methods/dmd2.h"
-#include "vqad/train/methods/sft.h"
+#include "vqad/train/methods/registry.h"
+#include "vqad/train/optimizer.h"
+#include "vqad/train/throughput.h"
+#include "vqad/train/trainer_state.h"
 #include "vqad/train/validation.h"
-
-#ifdef VQAD_WITH_TORCH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 namespace fs = std::filesystem;
 
@@ -50,67 +49,15 @@ torch::Device parse_device(const std::string& s) {
   return d;
 }
 
-namespace {
-std::string hex_encode(const torch::Tensor& bytes) {
-  auto t = bytes.contiguous();
-  const uint8_t* p = t.data_ptr<uint8_t>();
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  s.reserve(t.numel() * 2);
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    s.push_back(d[p[i] >> 4]);
-    s.push_back(d[p[i] & 15]);
-  }
-  return s;
-}
-torch::Tensor hex_decode(const std::string& s, const std::string& where) {
-  VQAD_CHECK(s.size() % 2 == 0, where, ": malformed generator state");
-  auto t = torch::empty({static_cast<int64_t>(s.size() / 2)}, torch::kUInt8);
-  uint8_t* p = t.data_ptr<uint8_t>();
-  auto nib = [&](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    fail(where, ": malformed generator state");
-  };
-  for (size_t i = 0; i < s.size() / 2; ++i) p[i] = static_cast<uint8_t>(nib(s[2 * i]) << 4 | nib(s[2 * i + 1]));
-  return t;
-}
-
-double peak_memory_gib(torch::Device device) {
-#ifdef VQAD_WITH_TORCH_CUDA
-  if (device.is_cuda()) {
-    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
-    return static_cast<double>(stats.allocated_bytes[0].peak) / (1024.0 * 1024.0 * 1024.0);
-  }
-#endif
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / (1024.0 * 1024.0);
-  return 0.0;
-}
-
-// Model FLOPs of one fwd+bwd step (no recompute): 6 * linear params * tokens + attention.
-double step_flops(const model::WanConfig& c, int64_t tokens_per_sample, int64_t batch, int64_t text_len) {
-  const double dim = static_cast<double>(c.dim()), L = static_cast<double>(tokens_per_sample);
-  const double per_block_params = 4 * dim * dim /*self*/ + 2 * dim * dim + 2 * dim * dim /*cross*/ +
-                                  2 * dim * static_cast<double>(c.ffn_dim);
-  const double linear = 6.0 * per_block_params * c.num_layers * L * batch;
-  const double self_attn = 3.5 * 4.0 * L * L * dim * c.num_layers * batch;
-  const double cross_attn = 3.5 * 4.0 * L * static_cast<double>(text_len) * dim * c.num_layers * batch;
-  return linear + self_attn + cross_attn;
-}
-}  // namespace
-
 struct Trainer::Impl {
-  std::shared_ptr<data::ParquetDataset> dataset;
+  const MethodRegistration* registration = nullptr;
+  std::shared_ptr<const data::Dataset> dataset;
   std::unique_ptr<data::PrefetchLoader> loader;
-  std::map<std::string, std::unique_ptr<torch::optim::AdamW>> optimizers;
-  std::map<std::string, LrScheduleConfig> schedules;
-  std::map<std::string, double> base_lr;
-  std::map<std::string, long> updates;  // optimizer steps taken per role (LR schedule position)
+  RoleOptimizers optimizers;
   std::unique_ptr<TrainingMethod> method;
   std::unique_ptr<ValidationRunner> validation;
+  std::optional<DevicePeak> peak;  // MFU denominator (none: no MFU)
+  std::unique_ptr<dist::DataParallel> dp;  // null in a one-process run
   torch::Generator gen;
   long start_step = 0;
   std::string started_at;
@@ -119,9 +66,9 @@ struct Trainer::Impl {
 Trainer::Trainer(RunConfig run, TrainerOptions options)
     : impl_(std::make_unique<Impl>()), run_(std::move(run)), options_(options) {
   const auto& tc = run_.training;
-  VQAD_CHECK(run_.method.kind == MethodKind::kSft || run_.method.kind == MethodKind::kDmd2, "method '",
-             method_name(run_.method.kind), "' is not available in this vqad build (available: sft, dmd2)");
-  // VSA on a GPU needs the VSA kernels in this build: fail here, before any weights load.
+  impl_->registration = &method_registration(run_);
+  const MethodRegistration& method = *impl_->registration;
+  // Backends without kernels in this build (e.g. VSA on a GPU without the VSA path) fail here, before any weights load.
   for (const auto& name : run_.method.roles()) {
     const auto b = run_.role(name).attention_backend;
     if (!model::is_vsa_backend(b) || !options_.device.is_cuda() || ops::vsa_cuda_path_built()) continue;
@@ -136,16 +83,15 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   }
   VQAD_CHECK(!tc.checkpoint.output_dir.empty(), "training.checkpoint.output_dir is empty (where should checkpoints go?)");
   VQAD_CHECK(tc.loop.max_train_steps > 0, "training.loop.max_train_steps must be > 0, found ", tc.loop.max_train_steps);
-  VQAD_CHECK(tc.distributed.num_gpus == 1, "training.distributed.num_gpus = ", tc.distributed.num_gpus,
-             ": this vqad build trains on one device (multi-GPU sharding is not available yet); run the recipe "
-             "on one GPU with --training.distributed.num_gpus 1 --training.distributed.sp_size 1 "
-             "--training.distributed.hsdp_replicate_dim 1 --training.distributed.hsdp_shard_dim 1");
+  {
+    const auto& d = tc.distributed;
+    // A dry run builds and prints in one process, whatever the mesh.
+    if (!options_.dry_run)
+      impl_->dp = dist::DataParallel::create({d.num_gpus, d.sp_size, d.hsdp_replicate_dim, d.hsdp_shard_dim});
+  }
   VQAD_CHECK(!tc.data.data_path.empty(), "training.data.data_path: no dataset path given");
   VQAD_CHECK(tc.dit_precision == "fp32", "training.dit_precision: vqad keeps FP32 master weights (found '",
              tc.dit_precision, "')");
-  // EMA would change what is exported: refused rather than ignored.
-  VQAD_CHECK(!run_.callbacks.ema.enabled, "callbacks.ema: EMA weights are not available in this vqad build; "
-             "remove the ema callback");
   impl_->started_at = utc_now_iso();
   impl_->gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(tc.data.seed));
 
@@ -158,52 +104,39 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
     roles_[name] = build_role(run_, name, ro);
   }
   auto student = roles_.at("student");
-  VQAD_CHECK(student->config.trainable, "models.student.trainable must be true for ", method_name(run_.method.kind));
+  VQAD_CHECK(student->config.trainable, "models.student.trainable must be true for ", method.name);
 
-  // Data.
+  // Data (parquet rows, synthetic rows or ODE-cache pairs: data::make_dataset decides).
   const auto& mc = student->model->config();
-  data::DatasetOptions dopt;
-  dopt.kind = tc.data.preprocessed_data_type == "text_only" ? data::DataKind::TextOnly : data::DataKind::T2V;
-  dopt.text_len = mc.text_len;
-  dopt.text_dim = mc.text_dim;
-  dopt.num_latent_t = tc.data.num_latent_t;
-  dopt.cfg_rate = tc.data.training_cfg_rate;
-  dopt.seed = tc.data.seed;
-  std::vector<std::pair<std::string, int64_t>> sources;
-  for (const auto& src : tc.data.data_path) sources.emplace_back(src.path, src.repeat);
-  impl_->dataset = data::ParquetDataset::open_sources(sources, dopt);
-  auto sopt = data::sampler_options_for_rank(impl_->dataset->size(), tc.data.train_batch_size, 1, 1, 0, tc.data.seed);
+  data::DatasetSpec dspec;
+  for (const auto& src : tc.data.data_path) dspec.sources.emplace_back(src.path, src.repeat);
+  dspec.kind = tc.data.preprocessed_data_type;
+  dspec.text_len = mc.text_len;
+  dspec.text_dim = mc.text_dim;
+  dspec.num_latent_t = tc.data.num_latent_t;
+  dspec.num_height = tc.data.num_height;
+  dspec.num_width = tc.data.num_width;
+  dspec.cfg_rate = tc.data.training_cfg_rate;
+  dspec.seed = tc.data.seed;
+  dspec.ode_anchor_indices = tc.data.ode_anchor_indices;
+  impl_->dataset = data::make_dataset(dspec);
+  log::info("data: ", impl_->dataset->description());
+  const int64_t dp_rank = impl_->dp ? impl_->dp->dp_rank() : 0, dp_size = impl_->dp ? impl_->dp->dp_size() : 1;
+  dist::set_batch_shard({dp_rank, dp_size});
+  auto sopt = data::sampler_options_for_rank(impl_->dataset->size(), tc.data.train_batch_size, dp_size, 1, dp_rank,
+                                             tc.data.seed);
   impl_->loader = std::make_unique<data::PrefetchLoader>(impl_->dataset, data::DpSpBatchSampler(sopt), 2);
 
-  // Optimizers and schedules, one per trainable role. The dmd2 critic takes the
-  // method's fake_score_* learning rate, betas and schedule (same weight decay and eps).
-  for (auto& [name, role] : roles_) {
-    if (!role->config.trainable) continue;
-    const auto& oc = tc.optimizer;
-    double lr = oc.learning_rate;
-    std::array<double, 2> betas = oc.betas;
-    LrSchedule sched = oc.lr_scheduler;
-    if (run_.method.kind == MethodKind::kDmd2 && name == "critic") {
-      lr = run_.method.dmd2.fake_score_learning_rate;
-      betas = run_.method.dmd2.fake_score_betas;
-      sched = run_.method.dmd2.fake_score_lr_scheduler;
-    }
-    auto params = role->trainable_parameters();
-    VQAD_CHECK(!params.empty(), "models.", name, " is trainable but has no trainable parameters");
-    torch::optim::AdamWOptions ao(lr);
-    ao.betas({betas[0], betas[1]}).weight_decay(oc.weight_decay).eps(oc.eps);
-    impl_->optimizers[name] = std::make_unique<torch::optim::AdamW>(params, ao);
-    impl_->base_lr[name] = lr;
-    impl_->schedules[name] = lr_schedule_from(oc, sched, tc.loop.max_train_steps);
-    impl_->updates[name] = 0;
-  }
-  if (run_.method.kind == MethodKind::kDmd2)
-    impl_->method = std::make_unique<Dmd2Method>(run_, student, roles_.at("teacher"), roles_.at("critic"));
-  else
-    impl_->method = std::make_unique<SftMethod>(run_, student);
+  // The method's optimizers (one per trainable role), the method, its validation.
+  impl_->optimizers = build_optimizers(run_, method, roles_);
+  impl_->method = method.create(run_, roles_);
   const auto& vc = run_.callbacks.validation;
-  if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start))
+  if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start) && (!impl_->dp || impl_->dp->is_main()))
     impl_->validation = std::make_unique<ValidationRunner>(run_, student, options_.device);
+  if (options_.device.is_cuda() && method.mfu_is_student_forward_backward) {
+    impl_->peak = device_peak_flops(options_.device);
+    if (!impl_->peak) log::warn("mfu: this device is not in vqad's peak-FLOPs table; mfu is not reported");
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -227,33 +160,26 @@ void Trainer::print_dry_run() const {
   }
   std::cout << "# memory estimate (parameters, gradients, optimizer state; activations not included): " << total_gib
             << " GiB\n";
-}
-
-static void save_trainer_checkpoint(const RunConfig& run, const std::map<std::string, std::shared_ptr<Role>>& roles,
-                                    const std::string& output_dir, long step,
-                                    std::map<std::string, std::unique_ptr<torch::optim::AdamW>>& optimizers,
-                                    const std::map<std::string, long>& updates,
-                                    const data::PrefetchLoader& loader, torch::Generator& gen,
-                                    const std::string& started_at, std::vector<std::string>* written) {
-  auto path = write_checkpoint_dir(output_dir, step, [&](const std::string& dir) {
-    for (auto& [name, role] : roles) {
-      if (!role->config.trainable) continue;
-      const fs::path rd = fs::path(dir) / name;
-      model::save_diffusers(*role->model, rd.string());
-      torch::save(*optimizers.at(name), (rd / "optimizer.pt").string());
-    }
-    nlohmann::json state;
-    state["step"] = step;
-    state["data"] = loader.state();
-    state["generator_state"] = hex_encode(gen.get_state());
-    state["optimizer_updates"] = updates;
-    st::write_file_atomic((fs::path(dir) / "trainer_state.json").string(), {state.dump(2) + "\n"});
-    st::write_file_atomic((fs::path(dir) / "resolved.yaml").string(), {run.resolved_yaml});
-    write_metadata(dir, build_metadata(run, roles, step, started_at));
-  });
-  if (written) written->push_back(path);
-  apply_retention(output_dir, static_cast<int>(run.training.checkpoint.checkpoints_total_limit));
-  log::info("checkpoint ", path);
+  // Per GPU for the configured mesh.
+  const auto& d = run_.training.distributed;
+  const auto& dc = run_.training.data;
+  std::vector<dist::RoleFootprint> fp;
+  for (const auto& [name, role] : roles_) fp.push_back({name, role->model->config(), role->config.trainable});
+  const auto& student = *roles_.at("student");
+  const auto& ps = student.model->config().patch_size;
+  dist::MemoryMesh mm;
+  mm.replicate = d.hsdp_replicate_dim;
+  mm.shard = d.hsdp_shard_dim;
+  mm.sp = d.sp_size;
+  mm.batch = dc.train_batch_size;
+  if (dc.num_latent_t > 0 && dc.num_height > 0 && dc.num_width > 0)
+    mm.tokens_per_sample = dc.num_latent_t / ps[0] * (dc.num_height / 8 / ps[1]) * (dc.num_width / 8 / ps[2]);
+  mm.activation_checkpointing = student.config.enable_gradient_checkpointing_type == "full";
+  const auto est = dist::estimate_memory(fp, mm);
+  std::cout << "# per-GPU memory estimate, mesh " << d.num_gpus << " GPUs = replicate " << d.hsdp_replicate_dim
+            << " x shard " << d.hsdp_shard_dim << ", sp " << d.sp_size << ":\n";
+  std::istringstream lines(est.text);
+  for (std::string l; std::getline(lines, l);) std::cout << "#   " << l << "\n";
 }
 
 TrainSummary Trainer::run() {
@@ -263,33 +189,26 @@ TrainSummary Trainer::run() {
   const std::string out = tc.checkpoint.output_dir;
   fs::create_directories(out);
 
-  // Resume.
   auto resume = resolve_resume(tc.checkpoint.resume_from_checkpoint, out);
   if (resume) {
     log::info("resuming from ", resume->path, " (step ", resume->step, ")");
-    for (auto& [name, role] : roles_) {
-      if (!role->config.trainable) continue;
-      const fs::path rd = fs::path(resume->path) / name;
-      VQAD_CHECK(fs::is_directory(rd), resume->path, ": no weights for role '", name, "'");
-      model::load_weights(*role->model, model::read_weights(rd.string()));
-      torch::load(*I.optimizers.at(name), (rd / "optimizer.pt").string());
-    }
-    std::ifstream f(fs::path(resume->path) / "trainer_state.json");
-    VQAD_CHECK(f.good(), resume->path, ": trainer_state.json missing");
-    nlohmann::json state = nlohmann::json::parse(f);
-    I.loader->load_state(state.at("data"));
-    I.gen.set_state(hex_decode(state.at("generator_state").get<std::string>(), resume->path));
-    for (auto& [name, n] : I.updates) {
-      if (state.contains("optimizer_updates") && state["optimizer_updates"].contains(name))
-        n = state["optimizer_updates"][name].get<long>();
-      else
-        n = resume->step;  // checkpoints written before per-role counts: every step updated
-    }
-    I.start_step = resume->step;
+    I.start_step = load_trainer_checkpoint(*resume, run_, roles_, I.optimizers, *I.loader, I.gen);
   }
-  MetricsWriter metrics = resume ? MetricsWriter::open_for_resume((fs::path(out) / "metrics.jsonl").string(), I.start_step)
-                                 : MetricsWriter((fs::path(out) / "metrics.jsonl").string(), false);
-  if (!resume) st::write_file_atomic((fs::path(out) / "resolved.yaml").string(), {run_.resolved_yaml});
+  const bool main_rank = !I.dp || I.dp->is_main();  // logs, metrics and checkpoints
+  std::optional<MetricsWriter> metrics;
+  if (main_rank) {
+    if (resume)
+      metrics.emplace(MetricsWriter::open_for_resume((fs::path(out) / "metrics.jsonl").string(), I.start_step));
+    else
+      metrics.emplace((fs::path(out) / "metrics.jsonl").string(), false);
+    if (!resume) st::write_file_atomic((fs::path(out) / "resolved.yaml").string(), {run_.resolved_yaml});
+  }
+  if (I.dp) {
+    // Same build and config on every rank, then rank 0's weights everywhere.
+    I.dp->check_same("vqad executable sha256", dist::executable_sha256());
+    I.dp->check_same("resolved config sha256", run_.resolved_sha256);
+    for (auto& [name, role] : roles_) I.dp->broadcast_parameters(role->model->parameters(), "parameters " + name);
+  }
 
   const long max_steps = tc.loop.max_train_steps;
   const long accum = std::max<long>(1, tc.loop.gradient_accumulation_steps);
@@ -297,10 +216,22 @@ TrainSummary Trainer::run() {
   auto student = roles_.at("student");
   const auto t_run = std::chrono::steady_clock::now();
   std::unique_ptr<Progress> bar;
-  if (options_.progress) bar = std::make_unique<Progress>("train", max_steps - I.start_step, "step");
+  if (options_.progress && main_rank) bar = std::make_unique<Progress>("train", max_steps - I.start_step, "step");
   summary.first_step = I.start_step + 1;
   long last_saved = -1;
-  if (I.validation && I.validation->at_start() && I.start_step == 0) metrics.log(0, I.validation->run(0));
+  auto save = [&](long step) {
+    if (I.dp && !I.dp->is_main()) {  // replicated state: rank 0 writes, the others wait for it
+      I.dp->barrier("checkpoint " + std::to_string(step));
+      last_saved = step;
+      return;
+    }
+    const nlohmann::json mesh = I.dp ? I.dp->mesh_json() : nlohmann::json{{"world_size", 1}};
+    summary.checkpoints.push_back(
+        save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, *I.loader, I.gen, I.started_at, mesh));
+    last_saved = step;
+    if (I.dp) I.dp->barrier("checkpoint " + std::to_string(step));
+  };
+  if (I.validation && I.validation->at_start() && I.start_step == 0) metrics->log(0, I.validation->run(0));
 
   for (long step = I.start_step + 1; step <= max_steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -312,7 +243,7 @@ TrainSummary Trainer::run() {
         role->model->set_vsa_sparsity(vsa_sparsity);
         any_vsa = true;
       }
-    for (auto& [name, opt] : I.optimizers) opt->zero_grad(true);
+    for (auto& [name, opt] : I.optimizers) opt.adamw->zero_grad(true);
     std::map<std::string, double> rec, role_loss;
     int64_t tokens = 0;
     for (long micro = 0; micro < accum; ++micro) {
@@ -322,18 +253,26 @@ TrainSummary Trainer::run() {
       for (const auto& [k, v] : r.role_loss) role_loss[k] += v / static_cast<double>(accum);
       tokens += r.tokens;
     }
+    if (I.dp) {
+      // One gradient all-reduce per updated role and step (none per micro-batch); the losses
+      // every rank logs and checks are the global averages.
+      for (const auto& name : I.method->roles_to_update(step))
+        I.dp->average_gradients(roles_.at(name)->trainable_parameters(), name);
+      I.dp->average_metrics(rec, "step metrics");
+      I.dp->average_metrics(role_loss, "role losses");
+      tokens = static_cast<int64_t>(I.dp->sum(static_cast<double>(tokens), "tokens"));
+    }
     const double loss = rec.at("loss");
     for (const auto& name : I.method->roles_to_update(step)) {
       auto& opt = I.optimizers.at(name);
       auto& role = *roles_.at(name);
       const double rloss = role_loss.count(name) ? role_loss.at(name) : loss;
-      auto params = role.trainable_parameters();
       double norm;
       if (run_.callbacks.grad_clip.enabled) {
-        norm = torch::nn::utils::clip_grad_norm_(params, run_.callbacks.grad_clip.max_grad_norm);
+        norm = torch::nn::utils::clip_grad_norm_(opt.params, run_.callbacks.grad_clip.max_grad_norm);
       } else {
         std::vector<torch::Tensor> norms;
-        for (auto& p : params)
+        for (auto& p : opt.params)
           if (p.grad().defined()) norms.push_back(p.grad().detach().to(torch::kFloat32).norm());
         norm = norms.empty() ? 0.0 : torch::stack(norms).norm().item<double>();
       }
@@ -350,25 +289,24 @@ TrainSummary Trainer::run() {
              ". The weights were not updated; the last checkpoint in ", out, " is intact");
       }
       rec["grad_norm/" + name] = norm;
-      const double lr = I.base_lr.at(name) * lr_multiplier(I.schedules.at(name), I.updates.at(name));
-      for (auto& g : opt->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
-      rec["lr/" + name] = lr;
-      opt->step();
-      ++I.updates.at(name);
+      rec["lr/" + name] = opt.step();
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec["step_time_s"] = dt;
     if (any_vsa) rec["vsa_sparsity"] = vsa_sparsity;
     rec["tokens_per_s"] = static_cast<double>(tokens) / dt;
     rec["mem_peak_gib"] = peak_memory_gib(options_.device);
-    if (options_.device.is_cuda() && run_.method.kind == MethodKind::kSft) {
+    if (I.peak) {
       const auto& mc = student->model->config();
-      const int64_t per_sample = tokens / std::max<int64_t>(1, tc.data.train_batch_size * accum);
-      rec["mfu"] = step_flops(mc, per_sample, tc.data.train_batch_size * accum, mc.text_len) / dt / 989e12;
+      // tokens are the global batch's; MFU is per device.
+      const int64_t dp = I.dp ? I.dp->dp_size() : 1, world = I.dp ? I.dp->world_size() : 1;
+      const int64_t per_sample = tokens / std::max<int64_t>(1, tc.data.train_batch_size * accum * dp);
+      rec["mfu"] = step_flops(mc, per_sample, tc.data.train_batch_size * accum * dp, mc.text_len) / dt /
+                   I.peak->bf16_dense_flops / static_cast<double>(world);
     }
     if (I.validation && I.validation->due(step))
       for (const auto& [k, v] : I.validation->run(step)) rec[k] = v;
-    metrics.log(step, rec);
+    if (metrics) metrics->log(step, rec);
     summary.losses.push_back(loss);
     summary.last_step = step;
     if (bar) {
@@ -377,45 +315,12 @@ TrainSummary Trainer::run() {
       bar->set_postfix(post);
       bar->update(1);
     }
-    if (save_every > 0 && step % save_every == 0) {
-      save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, I.updates, *I.loader, I.gen, I.started_at,
-                              &summary.checkpoints);
-      last_saved = step;
-    }
+    if (save_every > 0 && step % save_every == 0) save(step);
   }
   if (bar) bar->finish();
-  if (save_every > 0 && last_saved != summary.last_step && summary.last_step > 0)
-    save_trainer_checkpoint(run_, roles_, out, summary.last_step, I.optimizers, I.updates, *I.loader, I.gen, I.started_at,
-                            &summary.checkpoints);
+  if (save_every > 0 && last_saved != summary.last_step && summary.last_step > 0) save(summary.last_step);
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
   return summary;
-}
-
-std::string export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir, const std::string& role,
-                              bool overwrite) {
-  const fs::path src = fs::path(checkpoint_dir) / role / "transformer";
-  VQAD_CHECK(fs::is_directory(src), checkpoint_dir, ": no weights for role '", role, "' (expected ", src.string(),
-             "; checkpoints hold only trainable roles)");
-  VQAD_CHECK(fs::is_regular_file(fs::path(checkpoint_dir) / kCheckpointMarker), checkpoint_dir,
-             ": incomplete checkpoint (no ", kCheckpointMarker, " marker)");
-  nlohmann::json meta = read_metadata(checkpoint_dir);
-  if (fs::exists(out_dir)) {
-    VQAD_CHECK(overwrite, "export: ", out_dir, " already exists (pass --overwrite to replace it)");
-  }
-  const fs::path tmp = fs::path(out_dir).string() + ".tmp-export-" + std::to_string(::getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp / "transformer");
-  for (const auto& e : fs::directory_iterator(src))
-    if (e.is_regular_file()) fs::copy_file(e.path(), tmp / "transformer" / e.path().filename());
-  meta["checkpoint_state"] = "inference_export";
-  meta["export"] = {{"role", role}, {"source_checkpoint", fs::absolute(checkpoint_dir).string()},
-                    {"created_at", utc_now_iso()}};
-  write_metadata(tmp.string(), meta);
-  fsync_tree(tmp.string());
-  if (fs::exists(out_dir)) fs::remove_all(out_dir);
-  fs::rename(tmp, out_dir);
-  fsync_dir(fs::absolute(out_dir).parent_path().string());
-  return out_dir;
 }
 
 }  // namespace vqad::train

@@ -85,6 +85,7 @@ ValidationRunner::ValidationRunner(const RunConfig& run, std::shared_ptr<Role> s
   const auto& v = run_.callbacks.validation;
   const auto& mc = student_->model->config();
   VQAD_CHECK(v.every_steps > 0 || v.run_at_start, "callbacks.validation: every_steps is 0 and run_at_start false");
+  sampler_ = method_registration(run_).validation_sampler(run_);
   prompts_ = load_validation_prompts(v.dataset_file, mc.text_len, mc.text_dim);
   // Latent geometry: the callback's height/width/num_frames, else training.data's.
   const auto& d = run_.training.data;
@@ -100,7 +101,7 @@ ValidationRunner::ValidationRunner(const RunConfig& run, std::shared_ptr<Role> s
                                   : v.output_dir;
   log::info("validation: ", shape_[0], " prompts from ", v.dataset_file, ", latents [", shape_[1], ", ", shape_[2],
             ", ", shape_[3], ", ", shape_[4], "], ",
-            run_.method.kind == MethodKind::kDmd2 ? "DMD sampler" : "Euler sampler", ", every ", v.every_steps,
+            sampler_.name, ", every ", v.every_steps,
             " steps, to ", out_dir_);
 }
 
@@ -112,7 +113,6 @@ bool ValidationRunner::due(long step) const {
 bool ValidationRunner::at_start() const { return run_.callbacks.validation.run_at_start; }
 
 std::map<std::string, double> ValidationRunner::run(long step) {
-  const auto& v = run_.callbacks.validation;
   const auto t0 = std::chrono::steady_clock::now();
   torch::NoGradGuard ng;
   auto& m = *student_->model;
@@ -121,20 +121,8 @@ std::map<std::string, double> ValidationRunner::run(long step) {
                                                       static_cast<uint64_t>(step));
   auto noise = at::randn(shape_, gen, torch::TensorOptions(torch::kFloat32)).to(device_);
   auto text = prompts_.text.to(device_, dtype);
-  torch::Tensor latents;
   std::string sampler;
-  if (run_.method.kind == MethodKind::kDmd2) {
-    std::vector<double> ts = v.sampling_timesteps;
-    if (ts.empty()) ts = run_.method.dmd2.dmd_denoising_steps;
-    latents = dmd_sample(m, student_->grid, noise, text, ts, gen);
-    sampler = "dmd, timesteps " + nlohmann::json(ts).dump();
-  } else {
-    const int steps = static_cast<int>(v.sampling_steps.empty() ? 50 : v.sampling_steps.front());
-    const double shift = run_.pipeline.flow_shift.value_or(student_->config.flow_shift);
-    latents = euler_sample(m, noise, text, torch::zeros_like(text), v.guidance_scale, steps, shift);
-    sampler = "euler, " + std::to_string(steps) + " steps, shift " + std::to_string(shift) + ", guidance " +
-              std::to_string(v.guidance_scale);
-  }
+  torch::Tensor latents = sampler_.sample(*student_, noise, text, gen, &sampler);
   latents = latents.cpu();
   const fs::path dir = fs::path(out_dir_) / ("step-" + std::to_string(step));
   fs::create_directories(dir);

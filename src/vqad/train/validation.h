@@ -9,10 +9,10 @@
 //   - a JSON file: {"data": [{"caption": "...", "embedding": "neg.safetensors"}, ...]}
 //     (or a bare list), each embedding a .safetensors file with one [L, D] tensor,
 //     relative to the JSON's directory.
-// Samplers: method sft -> the Euler ODE sampler with sampling_steps[0] steps, CFG
-// guidance_scale against the zero text (the unconditional the SFT text dropout trains),
-// shift pipeline.flow_shift (else the student's); method dmd2 -> the few-step DMD
-// sampler on sampling_timesteps (else method.dmd_denoising_steps).
+// The sampler is the method's (methods/registry.h): sft -> the Euler ODE sampler with
+// sampling_steps[0] steps, CFG guidance_scale against the zero text (the unconditional
+// the SFT text dropout trains), shift pipeline.flow_shift (else the student's); dmd2 ->
+// the few-step DMD sampler on sampling_timesteps (else method.dmd_denoising_steps).
 // The initial noise and the DMD re-noising come from a generator seeded by
 // training.data.seed and the step, never from the trainer's generator, so validation does
 // not change training (resume equality holds with or without it).
@@ -26,6 +26,7 @@
 
 #include "vqad/core/png.h"
 #include "vqad/train/config.h"
+#include "vqad/train/methods/registry.h"
 #include "vqad/train/roles.h"
 
 namespace vqad::train {
@@ -56,6 +57,7 @@ class ValidationRunner {
   RunConfig run_;
   std::shared_ptr<Role> student_;
   torch::Device device_;
+  ValidationSampler sampler_;
   ValidationPrompts prompts_;
   std::vector<int64_t> shape_;  // [N, C, T, H, W]
   std::string out_dir_;

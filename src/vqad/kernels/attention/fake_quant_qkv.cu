@@ -9,23 +9,13 @@
 
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/nvfp4_device.cuh"
 
 namespace vqad::kernels::attention {
 namespace {
 
-__device__ __forceinline__ float e4m3_rn_satfinite(float x) {
-  const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));
-}
-
-// Nearest E2M1 magnitude of a >= 0, ties to the even code, saturating at 6. Adding
-// 2^22 / 2^23 / 2^24 moves a into a binade whose ulp is the grid spacing of
-// [0,2) / [2,4) / [4,6] (0.5 / 1 / 2), so the fp32 adder does the RNE; the even
-// multiple of the spacing is the even code in every binade. NaN and inf give 6.
-__device__ __forceinline__ float e2m1_rne_magnitude(float a) {
-  const float magic = a < 2.0f ? 4194304.0f : (a < 4.0f ? 8388608.0f : 16777216.0f);
-  return fminf(__fsub_rn(__fadd_rn(a, magic), magic), 6.0f);
-}
+using nvfp4_device::e2m1_rne_magnitude;
+using nvfp4_device::e4m3_rn_satfinite;
 
 struct Bf16x16 {
   uint4 lo, hi;

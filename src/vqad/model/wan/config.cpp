@@ -84,7 +84,9 @@ WanConfig WanConfig::from_json(const json& j, const std::string& where) {
       "out_channels",        "patch_size",         "text_dim",   "freq_dim"};
   static const std::set<std::string> optional = {
       "eps",       "rope_max_seq_len", "qk_norm", "cross_attn_norm", "added_kv_proj_dim",
-      "image_dim", "pos_embed_seq_len"};
+      "image_dim", "pos_embed_seq_len",
+      // Written by packed NVFP4 exports (ModelOpt's form); the weight loader reads the packing.
+      "quantization_config"};
   std::vector<std::string> missing, unknown;
   for (const auto& k : required)
     if (!j.contains(k)) missing.push_back(k);

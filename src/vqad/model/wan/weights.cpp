@@ -1,5 +1,9 @@
 #include "vqad/model/wan/weights.h"
 
+#include "vqad/model/wan/packed_weights.h"
+
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <regex>
 #include <set>
@@ -8,6 +12,7 @@
 #include "vqad/core/error.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/io/tensors.h"
+#include "vqad/numerics/nvfp4.h"
 #include "vqad/ops/tensor_text.h"
 
 namespace vqad::model {
@@ -32,6 +37,12 @@ bool is_gate_compress_key(const std::string& k) {
 void list_lines(std::ostringstream& os, const std::vector<std::string>& lines, size_t limit = 40) {
   for (size_t i = 0; i < lines.size() && i < limit; ++i) os << "\n    " << lines[i];
   if (lines.size() > limit) os << "\n    ... and " << lines.size() - limit << " more";
+}
+
+float scalar_f32(const torch::Tensor& t, const std::string& key, const std::string& source) {
+  VQAD_CHECK(t.scalar_type() == torch::kFloat32 && t.numel() == 1, "packed NVFP4 weights ", source, ": ", key,
+             " must be an F32 scalar, found ", c10::toString(t.scalar_type()), " ", ops::shape_str(t.sizes()));
+  return t.reshape({1}).item<float>();
 }
 
 }  // namespace
@@ -85,7 +96,8 @@ WeightSource locate_weights(const std::string& path) {
   return src;
 }
 
-WeightState read_weights(const WeightSource& source) {
+namespace {
+WeightState read_weights_raw(const WeightSource& source) {
   WeightState state;
   state.source = source.path;
   if (source.kind != WeightSource::Kind::kSharded) {
@@ -122,6 +134,99 @@ WeightState read_weights(const WeightSource& source) {
     fail(os.str());
   }
   return state;
+}
+}  // namespace
+
+std::map<std::string, PackedNvfp4Linear> unpack_nvfp4_linears(WeightState& state) {
+  std::map<std::string, PackedNvfp4Linear> out;
+  const std::string scale_suffix = ".weight_scale";
+  std::vector<std::string> modules;
+  for (const auto& [k, t] : state.tensors)
+    if (k.ends_with(scale_suffix)) modules.push_back(k.substr(0, k.size() - scale_suffix.size()));
+  for (const std::string& m : modules) {
+    auto where = [&](const std::string& key) {
+      auto it = state.origin.find(key);
+      return key + " (" + (it == state.origin.end() ? state.source : it->second) + ")";
+    };
+    const std::string wkey = m + ".weight", skey = m + ".weight_scale", s2key = m + ".weight_scale_2",
+                      ikey = m + ".input_scale", swkey = m + ".weight_scale_swizzled";
+    const torch::Tensor scales = state.tensors.at(skey);
+    VQAD_CHECK(scales.scalar_type() == torch::kFloat8_e4m3fn && scales.dim() == 2, "packed NVFP4 weights: ",
+               where(skey), " must be F8_E4M3 [N, K/16], found ", c10::toString(scales.scalar_type()), " ",
+               ops::shape_str(scales.sizes()));
+    auto wit = state.tensors.find(wkey);
+    VQAD_CHECK(wit != state.tensors.end(), "packed NVFP4 weights: ", where(skey), " has no ", wkey);
+    const torch::Tensor packed = wit->second;
+    const int64_t n = scales.size(0), k = scales.size(1) * nvfp4::kBlock;
+    VQAD_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.size(0) == n &&
+                   packed.size(1) * 2 == k,
+               "packed NVFP4 weights: ", where(wkey), " must be U8 [", n, ", ", k / 2, "] to match ", skey, " ",
+               ops::shape_str(scales.sizes()), ", found ", c10::toString(packed.scalar_type()), " ",
+               ops::shape_str(packed.sizes()));
+    VQAD_CHECK(state.tensors.count(s2key), "packed NVFP4 weights: ", where(skey), " has no ", s2key);
+    PackedNvfp4Linear lin;
+    lin.module = m;
+    lin.weight_scale_2 = scalar_f32(state.tensors.at(s2key), s2key, state.source);
+    VQAD_CHECK(std::isfinite(lin.weight_scale_2) && lin.weight_scale_2 > 0.0f, "packed NVFP4 weights: ",
+               where(s2key), " must be positive and finite, found ", lin.weight_scale_2);
+    if (state.tensors.count(ikey)) {
+      lin.input_scale = scalar_f32(state.tensors.at(ikey), ikey, state.source);
+      VQAD_CHECK(std::isfinite(*lin.input_scale) && *lin.input_scale > 0.0f, "packed NVFP4 weights: ", where(ikey),
+                 " must be positive and finite, found ", *lin.input_scale);
+    }
+    const torch::Tensor sc = scales.contiguous().view(torch::kUInt8);
+    const torch::Tensor pc = packed.contiguous();
+    const uint8_t* sb = sc.data_ptr<uint8_t>();
+    const uint8_t* pb = pc.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < sc.numel(); ++i) {
+      VQAD_CHECK((sb[i] & 0x7F) != nvfp4::kE4M3NaN && !(sb[i] & 0x80), "packed NVFP4 weights: ", where(skey),
+                 " holds a negative or NaN block scale (byte ", static_cast<int>(sb[i]), " at block ", i, ")");
+    }
+    if (state.tensors.count(swkey)) {
+      const torch::Tensor sw = state.tensors.at(swkey).contiguous().view(torch::kUInt8);
+      const int64_t cols = k / nvfp4::kBlock;
+      VQAD_CHECK(sw.numel() == nvfp4::swizzled_scales_size(n, cols), "packed NVFP4 weights: ", where(swkey),
+                 " has ", sw.numel(), " bytes, the 128x4 layout of [", n, ", ", cols, "] needs ",
+                 nvfp4::swizzled_scales_size(n, cols));
+      std::vector<uint8_t> lin_from_sw(static_cast<size_t>(n * cols));
+      nvfp4::unswizzle_scales(sw.data_ptr<uint8_t>(), n, cols, lin_from_sw.data());
+      VQAD_CHECK(std::memcmp(lin_from_sw.data(), sb, lin_from_sw.size()) == 0, "packed NVFP4 weights: ",
+                 where(swkey), " does not hold the same scales as ", skey);
+      state.tensors.erase(swkey);
+      state.origin.erase(swkey);
+    }
+    torch::Tensor unit = torch::empty({n, k}, torch::kFloat32);
+    torch::Tensor weight = torch::empty({n, k}, torch::kFloat32);
+    float* u = unit.data_ptr<float>();
+    float* w = weight.data_ptr<float>();
+    const float s_dec = lin.weight_scale_2;
+    for (int64_t i = 0; i < n * k; ++i) {
+      const uint8_t byte = pb[i / 2];
+      const uint8_t code = (i % 2 == 0) ? (byte & 0xF) : (byte >> 4);
+      const float S = nvfp4::e4m3_decode(sb[i / nvfp4::kBlock]);
+      u[i] = nvfp4::e2m1_decode(code) * S;
+      w[i] = u[i] * s_dec;  // (e2m1 * S) * s_dec: the rounding order of FQ(W)
+    }
+    lin.unit_weight = unit;
+    state.tensors[wkey] = weight;
+    for (const std::string& key : {skey, s2key, ikey}) {
+      state.tensors.erase(key);
+      state.origin.erase(key);
+    }
+    out.emplace(m, std::move(lin));
+  }
+  return out;
+}
+
+WeightState read_weights(const WeightSource& source) {
+  WeightState state = read_weights_raw(source);
+  unpack_nvfp4_linears(state);
+  return state;
+}
+
+std::map<std::string, PackedNvfp4Linear> read_packed_nvfp4_linears(const std::string& path) {
+  WeightState state = read_weights_raw(locate_weights(path));
+  return unpack_nvfp4_linears(state);
 }
 
 WeightState read_weights(const std::string& path) { return read_weights(locate_weights(path)); }

@@ -5,8 +5,11 @@
 #include <filesystem>
 
 #include "vqad/core/error.h"
+#include "vqad/dist/batch_random.h"
 #include "vqad/core/log.h"
 #include "vqad/data/text_embeddings.h"
+#include "vqad/train/methods/registry.h"
+#include "vqad/train/sampling.h"
 
 namespace fs = std::filesystem;
 
@@ -123,7 +126,7 @@ torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vecto
   const auto dev = text.device();
   const int64_t n = static_cast<int64_t>(steps_.size());
   const int64_t j = at::randint(0, n, {1}, gen, torch::TensorOptions(torch::kInt64)).item<int64_t>();
-  auto noise = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
+  auto noise = dist::randn_batch(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
   const int64_t B = shape[0];
   torch::Tensor input;
   if (cfg_.rollout_mode == RolloutMode::kDataLatent) {
@@ -137,7 +140,7 @@ torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vecto
       torch::NoGradGuard ng;
       for (int64_t i = 0; i + 1 < n; ++i) {
         auto x0 = predict_x0(*student_, x, steps_[i], text);
-        auto fresh = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
+        auto fresh = dist::randn_batch(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
         x = student_->grid.add_noise(x0, fresh, torch::full({B}, steps_[i + 1], torch::kFloat64));
         kept.push_back(x);
       }
@@ -155,7 +158,7 @@ DmdLossParts Dmd2Method::dmd_loss(const torch::Tensor& x0, const torch::Tensor& 
     torch::NoGradGuard ng;
     const auto dtype = critic_->model->options().compute_dtype;
     p.timestep = score_timestep(gen);
-    auto noise = at::randn(x0.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(x0.device(), dtype);
+    auto noise = dist::randn_batch(x0.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(x0.device(), dtype);
     const int64_t B = x0.size(0);
     auto x_t = student_->grid.add_noise(x0.detach().to(dtype), noise, torch::full({B}, p.timestep, torch::kFloat64));
     p.critic_x0 = predict_x0(*critic_, x_t, p.timestep, text);
@@ -198,7 +201,7 @@ MethodStepResult Dmd2Method::micro_step(const data::Batch& batch, torch::Generat
   }
   torch::Tensor x0_c = rollout(x0_data, shape, text, gen, false);
   const double t_f = score_timestep(gen);
-  auto n_f = at::randn(shape, gen, torch::TensorOptions(torch::kFloat32)).to(device, critic_->model->options().compute_dtype);
+  auto n_f = dist::randn_batch(shape, gen, torch::TensorOptions(torch::kFloat32)).to(device, critic_->model->options().compute_dtype);
   const int64_t B = shape[0];
   auto tt = torch::full({B}, t_f, torch::kFloat64);
   auto x_f = critic_->grid.add_noise(x0_c, n_f, tt);
@@ -212,6 +215,57 @@ MethodStepResult Dmd2Method::micro_step(const data::Batch& batch, torch::Generat
   out.metrics["update_student"] = upd ? 1.0 : 0.0;
   out.metrics["loss"] = gen_loss + fl;
   return out;
+}
+
+MethodRegistration dmd2_registration() {
+  MethodRegistration r;
+  r.name = method_name(MethodKind::kDmd2);
+  // The critic's own AdamW: the method's fake_score_* learning rate, betas and schedule
+  // (weight decay and eps of training.optimizer).
+  r.optimizers = [](const RunConfig& run) {
+    const auto& d = run.method.dmd2;
+    OptimizerSpec critic = default_optimizer_spec(run, "critic");
+    critic.learning_rate = d.fake_score_learning_rate;
+    critic.betas = d.fake_score_betas;
+    critic.schedule = d.fake_score_lr_scheduler;
+    return std::vector<OptimizerSpec>{default_optimizer_spec(run, "student"), critic};
+  };
+  r.create = [](const RunConfig& run, const RoleMap& roles) -> std::unique_ptr<TrainingMethod> {
+    return std::make_unique<Dmd2Method>(run, roles.at("student"), roles.at("teacher"), roles.at("critic"));
+  };
+  r.supervision = [](const RunConfig& run, const Role& student) {
+    const auto& d = run.method.dmd2;
+    nlohmann::json sup;
+    sup["objective"] = "distribution_matching_distillation_dmd2";
+    sup["generator_loss"] = "0.5 mean((x0 - sg(x0 - grad))^2), grad = nan_to_num((critic_x0 - teacher_cfg_x0) / "
+                            "mean|x0 - teacher_cfg_x0|), fp32";
+    sup["critic_loss"] = "mean((v_critic - (noise - x0_student))^2) in fp32 on an independent no-grad rollout";
+    sup["rollout_mode"] = rollout_mode_name(d.rollout_mode);
+    sup["dmd_denoising_steps"] = d.dmd_denoising_steps;
+    sup["generator_update_interval"] = d.generator_update_interval;
+    sup["real_score_guidance_scale"] = d.real_score_guidance_scale;
+    sup["score_timestep"] = {{"shift", run.pipeline.flow_shift.value_or(student.config.flow_shift)},
+                             {"min_ratio", d.min_timestep_ratio},
+                             {"max_ratio", d.max_timestep_ratio}};
+    sup["unconditional_text"] = d.cfg_uncond ? d.cfg_uncond->text : std::string("negative_prompt");
+    if (!d.negative_prompt_embedding.empty()) sup["negative_prompt_embedding"] = d.negative_prompt_embedding;
+    return sup;
+  };
+  // The few-step DMD sampler on sampling_timesteps (else method.dmd_denoising_steps).
+  r.validation_sampler = [](const RunConfig& run) {
+    ValidationSampler s;
+    s.name = "DMD sampler";
+    std::vector<double> ts = run.callbacks.validation.sampling_timesteps;
+    if (ts.empty()) ts = run.method.dmd2.dmd_denoising_steps;
+    s.sample = [ts](Role& student, const torch::Tensor& noise, const torch::Tensor& text, torch::Generator& gen,
+                    std::string* description) {
+      auto latents = dmd_sample(*student.model, student.grid, noise, text, ts, gen);
+      if (description) *description = "dmd, timesteps " + nlohmann::json(ts).dump();
+      return latents;
+    };
+    return s;
+  };
+  return r;
 }
 
 }  // namespace vqad::train

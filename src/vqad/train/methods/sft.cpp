@@ -3,6 +3,9 @@
 #include <cmath>
 
 #include "vqad/core/error.h"
+#include "vqad/train/methods/registry.h"
+#include "vqad/train/sampling.h"
+#include "vqad/dist/batch_random.h"
 
 namespace vqad::train {
 
@@ -19,9 +22,9 @@ SftMethod::SftMethod(const RunConfig& run, std::shared_ptr<Role> student)
 std::vector<int64_t> SftMethod::sample_indices(int64_t batch, torch::Generator& gen) const {
   torch::Tensor u;
   if (cfg_.weighting_scheme == "logit_normal") {
-    u = torch::sigmoid(at::normal(cfg_.logit_mean, cfg_.logit_std, {batch}, gen, torch::TensorOptions(torch::kFloat64)));
+    u = torch::sigmoid(dist::normal_batch(cfg_.logit_mean, cfg_.logit_std, {batch}, gen, torch::TensorOptions(torch::kFloat64)));
   } else {
-    u = at::rand({batch}, gen, torch::TensorOptions(torch::kFloat64));
+    u = dist::rand_batch({batch}, gen, torch::TensorOptions(torch::kFloat64));
     if (cfg_.weighting_scheme == "mode") {
       const double pi = 3.14159265358979323846;
       u = 1.0 - u - cfg_.mode_scale * (torch::cos(pi * u / 2.0).pow(2) - 1.0 + u);
@@ -37,7 +40,7 @@ SftStepResult SftMethod::loss(const data::Batch& batch, torch::Generator& gen, t
   VQAD_CHECK(batch.latent.defined(), "sft needs latents: the dataset is text_only (use a t2v dataset)");
   const auto dtype = student_->model->options().compute_dtype;
   auto x0 = batch.latent.to(device, dtype);
-  auto noise = at::randn(batch.latent.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(device, dtype);
+  auto noise = dist::randn_batch(batch.latent.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(device, dtype);
   const int64_t B = x0.size(0);
   auto idx = sample_indices(B, gen);
   std::vector<double> tv(B);
@@ -68,6 +71,47 @@ MethodStepResult SftMethod::micro_step(const data::Batch& batch, torch::Generato
   out.role_loss["student"] = l;
   out.tokens = r.tokens;
   return out;
+}
+
+
+
+MethodRegistration sft_registration() {
+  MethodRegistration r;
+  r.name = method_name(MethodKind::kSft);
+  r.optimizers = [](const RunConfig& run) { return std::vector<OptimizerSpec>{default_optimizer_spec(run, "student")}; };
+  r.create = [](const RunConfig& run, const RoleMap& roles) -> std::unique_ptr<TrainingMethod> {
+    return std::make_unique<SftMethod>(run, roles.at("student"));
+  };
+  r.supervision = [](const RunConfig& run, const Role& student) {
+    nlohmann::json sup;
+    sup["objective"] = "flow_matching_velocity_mse";
+    sup["loss"] = "mean((v - (noise - x0))^2) in fp32";
+    sup["weighting_scheme"] = run.training.model.weighting_scheme;
+    sup["flow_shift"] = student.config.flow_shift;
+    return sup;
+  };
+  // Euler with sampling_steps[0] steps (50 when unset), CFG against the zero text (the
+  // unconditional the SFT text dropout trains), shift pipeline.flow_shift else the student's.
+  r.validation_sampler = [](const RunConfig& run) {
+    ValidationSampler s;
+    s.name = "Euler sampler";
+    const ValidationConfig v = run.callbacks.validation;
+    const std::optional<double> pipeline_shift = run.pipeline.flow_shift;
+    s.sample = [v, pipeline_shift](Role& student, const torch::Tensor& noise, const torch::Tensor& text,
+                                   torch::Generator&, std::string* description) {
+      const int steps = static_cast<int>(v.sampling_steps.empty() ? 50 : v.sampling_steps.front());
+      const double shift = pipeline_shift.value_or(student.config.flow_shift);
+      auto latents =
+          euler_sample(*student.model, noise, text, torch::zeros_like(text), v.guidance_scale, steps, shift);
+      if (description)
+        *description = "euler, " + std::to_string(steps) + " steps, shift " + std::to_string(shift) + ", guidance " +
+                       std::to_string(v.guidance_scale);
+      return latents;
+    };
+    return s;
+  };
+  r.mfu_is_student_forward_backward = true;
+  return r;
 }
 
 }  // namespace vqad::train

@@ -12,6 +12,8 @@
 
 #include "vqad/kernels/attention/attention_qat_bwd.h"
 #include "vqad/kernels/common/device.h"
+#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/common/sm90_ptx.cuh"
 
 namespace vqad::kernels::attn_bwd {
 
@@ -141,61 +143,16 @@ void set_wgmma_single_launch_for_tuning(bool single);
 // ---------------------------------------------------------------------------
 // PTX wrappers
 // ---------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0 -> zero-fill (masked tail rows)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
-               "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// 1/s for the positive E4M3 scales (2^-9 <= s <= 448): the approximate
-// reciprocal plus one Newton step gives the correctly rounded fp32 value.
-__device__ __forceinline__ float scale_reciprocal(float s) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(s));
-  const float e = fmaf(-s, r, 1.0f);
-  r = fmaf(r, e, r);
-  return s > 0.0f ? r : 0.0f;  // S == 0 -> the whole group quantizes to 0
-}
-
-// E2M1 magnitude rounding of a >= 0, ties to the even code, saturating at 6.
-// Adding and subtracting 2^(22 + max(E, 0)) (E = exponent of a) rounds a to a
-// multiple of the E2M1 step of its binade (0.5 below 2, 1 on [2, 4), 2 from 4)
-// with round-to-nearest-even, which is the even code at every tie.
-__device__ __forceinline__ float e2m1_round_nonneg(float a) {
-  const int eb = max(__float_as_int(a) & 0x7f800000, 0x3f800000);
-  const float magic = __int_as_float(eb + (22 << 23));
-  return fminf((a + magic) - magic, 6.0f);
-}
-
-// amax / 6 correctly rounded without the IEEE division routine: RN(x * RN(1/6)) is
-// within an ulp, and one FMA residual correction gives the correctly rounded quotient
-// for every normal result (subnormal quotients round to the E4M3 zero either way).
-__device__ __forceinline__ float div6(float x) {
-  const float c = 1.0f / 6.0f;
-  const float q0 = x * c;
-  const float r = fmaf(-q0, 6.0f, x);
-  return fmaf(r, c, q0);
-}
+// From kernels/common/sm90_ptx.cuh and nvfp4_device.cuh (the shared definitions).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return sm90::smem_addr(p); }
+using sm90::cp_async16;
+using sm90::cp_async_commit;
+using sm90::cp_async_wait;
+using sm90::fast_exp2;
+using sm90::pack_bf16;
+using nvfp4_device::div6;
+using nvfp4_device::e2m1_round_nonneg;
+using nvfp4_device::scale_reciprocal;
 
 // ---------------------------------------------------------------------------
 // P fake quantization on the transposed score tile of one warp.

@@ -35,6 +35,8 @@
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
+#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/common/sm90_ptx.cuh"
 
 namespace vqad::kernels::attention {
 namespace {
@@ -95,9 +97,7 @@ static_assert(kSkewGroups > 0 && kSkewGroups < kAttnQatBlockN / 16 &&
 #endif
 constexpr bool kBf16Scale = VQAD_ATTN_FWD_BF16_SCALE != 0;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using sm90::smem_addr;
 
 // Shared-memory tile layout, [2][ROWS][64] bf16: the two 64-channel halves of a
 // 128-channel row are stored as separate [ROWS][128 B] blocks, and inside a block the
@@ -126,12 +126,10 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
          (1ull << 62);
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Makes this thread's cp.async writes to shared memory visible to the async proxy
-// that wgmma reads through.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+using sm90::fence_proxy_async;  // cp.async writes -> the async proxy wgmma reads through
+using sm90::wgmma_commit;
+using sm90::wgmma_fence;
+__device__ __forceinline__ void wgmma_wait0() { sm90::wgmma_wait<0>(); }
 
 // D[64 x N] += A[64 x 16] . B[16 x N] (N = 64 or 128 keys), both operands from shared
 // memory (bf16, fp32 accumulate). Per warp the accumulator is 16 rows x N columns in
@@ -285,59 +283,18 @@ __device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t addr) {
 }
 #endif  // VQAD_ATTN_FWD_WGMMA
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0: zero-fill (rows past the sequence end)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
+using sm90::cp_async16;
+using sm90::cp_async_commit;
+using sm90::cp_async_wait;
+using sm90::fast_exp2;
+using sm90::ldmatrix_x4;
+using sm90::ldmatrix_x4_trans;
+using sm90::pack_bf16;
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  sm90::mma_bf16_m16n8k16(c, a, b0, b1);
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// MUFU exp2 (2 ulp, like exp2f) without exp2f's denormal-result fix-up: P below
-// 2^-126 flushes to 0, far under anything bf16(P) . V or the E4M3 scales resolve.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// amax / 6 correctly rounded without the IEEE division routine: a product with
-// RN(1/6) is within an ulp, and one FMA residual correction makes it the correctly
-// rounded quotient for every normal result (Markstein; checked exhaustively over
-// all positive floats: only subnormal quotients differ, and those round to E4M3 0
-// either way).
-__device__ __forceinline__ float div6(float x) {
-  const float c = 1.0f / 6.0f;
-  const float q0 = x * c;
-  const float r = fmaf(-q0, 6.0f, x);
-  return fmaf(r, c, q0);
-}
+using nvfp4_device::div6;
 
 // (S, RN(1/S)) for every E4M3 byte: a shared-memory lookup replaces the IEEE
 // reciprocal routine per 16-key group. Byte 0 gives (0, inf), the zero block.
@@ -346,19 +303,8 @@ constexpr int kScaleTableBytes = 128 * 8;
 // matrices.
 constexpr int kOnesBytes = 256;
 
-// E4M3 bytes (round-to-nearest-even, satfinite) of two non-negative values.
-__device__ __forceinline__ uint32_t e4m3_bytes2(float a, float b) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-}
-
-// Nearest E2M1 magnitude of a >= 0, ties to the even code, saturating at 6. Adding
-// 2^22 / 2^23 / 2^24 moves a into a binade whose ulp is the grid spacing of
-// [0,2) / [2,4) / [4,6] (0.5 / 1 / 2), so the fp32 adder does the RNE; the even
-// multiple of the spacing is the even code in every binade. NaN and inf give 6.
-__device__ __forceinline__ float e2m1_rne_magnitude(float a) {
-  const float magic = a < 2.0f ? 4194304.0f : (a < 4.0f ? 8388608.0f : 16777216.0f);
-  return fminf(__fsub_rn(__fadd_rn(a, magic), magic), 6.0f);
-}
+using nvfp4_device::e2m1_rne_magnitude;  // nearest E2M1 magnitude, ties to even, saturating at 6
+using nvfp4_device::e4m3_bytes2;
 
 // P >= 0 and finite. With amax <= 6 * 2^-10 the scale S rounds to 0: inv = inf,
 // every element saturates to 6 (0 * inf = NaN included) and 6 * 0 = +0, which is

@@ -1,0 +1,214 @@
+// `vqad launch --nproc N <subcommand> ...`: the ranks of a one-node job without torchrun.
+//
+// The launcher hosts the rendezvous store (c10d::TCPStore on a free loopback port, so two
+// jobs on one machine never collide), starts N copies of this executable with torchrun's
+// environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+// TORCHELASTIC_USE_AGENT_STORE=True), forwards SIGINT / SIGTERM / SIGHUP to them and waits.
+// When a rank fails it records that in the store (the other ranks name it in their own
+// error), gives the others --grace seconds to stop by themselves, then terminates them. The
+// exit status is 0 when every rank succeeded, else 1 with a line naming the first rank that
+// failed and how.
+#include <signal.h>
+#include <sys/wait.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "vqad/cli/commands.h"
+#include "vqad/core/error.h"
+#include "vqad/dist/check.h"
+
+extern char** environ;
+
+namespace vqad::cli {
+namespace {
+
+volatile sig_atomic_t g_signal = 0;
+pid_t g_children[1024];
+volatile sig_atomic_t g_nchildren = 0;
+
+void forward_signal(int sig) {
+  g_signal = sig;
+  for (int i = 0; i < g_nchildren; ++i)
+    if (g_children[i] > 0) ::kill(g_children[i], sig);
+}
+
+std::string how(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = ::strsignal(sig);
+    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (") + name + ")" : "");
+  }
+  return "stopped (status " + std::to_string(status) + ")";
+}
+
+struct LaunchOptions {
+  int nproc = 1;
+  int master_port = 0;  // 0: a free port
+  double grace_s = 60;
+  std::vector<std::string> args;
+};
+
+int launch(const LaunchOptions& o) {
+  VQAD_CHECK(o.nproc >= 1 && o.nproc <= 1024, "launch --nproc: expected 1..1024, found ", o.nproc);
+  VQAD_CHECK(!o.args.empty(), "launch: no command given (e.g. vqad launch --nproc 4 train recipe.yaml)");
+  VQAD_CHECK(o.args[0] != "launch", "launch: the command to run is `launch` again");
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(o.master_port);
+  so.isServer = true;
+  so.waitWorkers = false;
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  } catch (const std::exception& e) {
+    fail("launch: could not host the rendezvous store on 127.0.0.1:", o.master_port, ": ", e.what());
+  }
+  const int port = store->getPort();
+
+  // Everything the children need is built before fork (only exec follows in the child).
+  std::vector<std::string> argv_s;
+  argv_s.push_back("vqad");
+  for (const auto& a : o.args) argv_s.push_back(a);
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const char* ours[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT=",
+                        "TORCHELASTIC_USE_AGENT_STORE=", "GROUP_RANK=", "ROLE_RANK="};
+  std::vector<std::string> base;
+  for (char** e = environ; *e; ++e) {
+    bool skip = false;
+    for (const char* k : ours) skip = skip || std::strncmp(*e, k, std::strlen(k)) == 0;
+    if (!skip) base.emplace_back(*e);
+  }
+  std::vector<std::vector<std::string>> envs(o.nproc);
+  std::vector<std::vector<char*>> envp(o.nproc);
+  for (int r = 0; r < o.nproc; ++r) {
+    envs[r] = base;
+    for (const auto& kv : {std::string("RANK=") + std::to_string(r), "WORLD_SIZE=" + std::to_string(o.nproc),
+                           "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(o.nproc),
+                           std::string("GROUP_RANK=0"), std::string("MASTER_ADDR=127.0.0.1"),
+                           "MASTER_PORT=" + std::to_string(port), std::string("TORCHELASTIC_USE_AGENT_STORE=True")})
+      envs[r].push_back(kv);
+    for (auto& kv : envs[r]) envp[r].push_back(kv.data());
+    envp[r].push_back(nullptr);
+  }
+
+  struct sigaction sa {};
+  sa.sa_handler = forward_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+
+  std::vector<pid_t> pids(o.nproc, -1);
+  for (int r = 0; r < o.nproc; ++r) {
+    pid_t pid = ::fork();
+    VQAD_CHECK(pid >= 0, "launch: fork failed for rank ", r, ": ", std::strerror(errno));
+    if (pid == 0) {
+      ::execve("/proc/self/exe", argv.data(), envp[r].data());
+      ::_exit(127);
+    }
+    pids[r] = pid;
+    g_children[r] = pid;
+    g_nchildren = r + 1;
+  }
+
+  using Clock = std::chrono::steady_clock;
+  int running = o.nproc, first_failed = -1, first_status = 0;
+  std::vector<int> failed;
+  std::vector<bool> done(o.nproc, false);
+  Clock::time_point grace_end{}, kill_at{};
+  bool terminated = false, killed = false;
+  while (running > 0) {
+    int status = 0;
+    pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      int r = -1;
+      for (int k = 0; k < o.nproc; ++k)
+        if (pids[k] == pid) r = k;
+      if (r < 0) continue;
+      done[r] = true;
+      g_children[r] = -1;
+      --running;
+      const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      if (!ok && !terminated) {
+        failed.push_back(r);
+        try {
+          store->set("vqad/failed/" + std::to_string(r), [&] {
+            std::string m = how(status);
+            return std::vector<uint8_t>(m.begin(), m.end());
+          }());
+        } catch (const std::exception&) {
+        }
+        if (first_failed < 0) {
+          first_failed = r;
+          first_status = status;
+          grace_end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.grace_s * 1000));
+          std::fprintf(stderr, "vqad launch: rank %d %s; waiting up to %g s for the other ranks to stop\n", r,
+                       how(status).c_str(), o.grace_s);
+        }
+      }
+      continue;
+    }
+    if (first_failed >= 0 && !terminated && Clock::now() >= grace_end) {
+      for (int k = 0; k < o.nproc; ++k)
+        if (!done[k]) ::kill(pids[k], SIGTERM);
+      terminated = true;
+      kill_at = Clock::now() + std::chrono::seconds(5);
+    }
+    if (terminated && !killed && Clock::now() >= kill_at) {
+      for (int k = 0; k < o.nproc; ++k)
+        if (!done[k]) ::kill(pids[k], SIGKILL);
+      killed = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (g_signal != 0 && first_failed < 0) {
+    std::fprintf(stderr, "vqad launch: stopped by signal %d (forwarded to every rank)\n", static_cast<int>(g_signal));
+    return 1;
+  }
+  if (first_failed < 0) return 0;
+  std::string others;
+  for (int r : failed)
+    if (r != first_failed) others += (others.empty() ? "" : ", ") + std::to_string(r);
+  fail("launch: rank ", first_failed, " of ", o.nproc, " failed first (", how(first_status), ")",
+       others.empty() ? std::string() : "; ranks that failed after it: " + others,
+       terminated ? "; the remaining ranks were terminated after the grace period" : "");
+}
+
+}  // namespace
+
+void register_launch_commands(CLI::App& app) {
+  auto* sub = app.add_subcommand(
+      "launch", "Run a vqad command as N ranks on this machine (torchrun's environment; e.g. launch --nproc 4 train recipe.yaml)");
+  auto o = std::make_shared<LaunchOptions>();
+  sub->add_option("--nproc", o->nproc, "number of ranks (processes; one per GPU)")->required();
+  sub->add_option("--master-port", o->master_port, "port of the rendezvous store on 127.0.0.1 (default: a free one)");
+  sub->add_option("--grace", o->grace_s,
+                  "seconds the other ranks get to stop by themselves after one failed (default 60), then SIGTERM");
+  sub->prefix_command();  // everything from the first positional on is the rank's command line
+  sub->footer("Example: vqad launch --nproc 4 train recipe.yaml --training.distributed.num_gpus 4");
+  set_action(sub, [=] {
+    o->args = sub->remaining();
+    return launch(*o);
+  });
+
+  auto* d = app.add_subcommand("dist", "Distributed tools");
+  d->require_subcommand(1);
+  auto* chk = d->add_subcommand(
+      "check", "Run and verify every collective across the launched ranks (e.g. vqad launch --nproc 4 dist check)");
+  auto c = std::make_shared<dist::CheckOptions>();
+  chk->add_option("--device", c->device, "cpu (Gloo, default) | cuda (NCCL, GPU = LOCAL_RANK)");
+  chk->add_option("--timeout", c->timeout_s, "collective timeout in seconds (default 60)");
+  chk->add_option("--elements", c->elements, "elements per rank of each collective (default 4099)");
+  chk->add_option("--fault-rank", c->fault_rank, "rank that misbehaves (fault injection)");
+  chk->add_option("--fault", c->fault, "none (default) | exit | kill | hang | error, after the first collective");
+  set_action(chk, [=] { return dist::run_collective_check(*c); });
+}
+
+}  // namespace vqad::cli

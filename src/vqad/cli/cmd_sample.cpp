@@ -1,0 +1,44 @@
+// `vqad sample MODEL --prompts FILE (--steps N | --timesteps ...) --out DIR`.
+#include <iostream>
+
+#include "vqad/cli/commands.h"
+#include "vqad/export/sample_run.h"
+#include "vqad/train/trainer.h"
+
+namespace vqad::cli {
+
+void register_sample_commands(CLI::App& app) {
+  auto* sub = app.add_subcommand(
+      "sample", "Sample latents (and a preview grid) of a model - dense, fake-quant or packed NVFP4 - from "
+                "precomputed text embeddings");
+  auto o = std::make_shared<deploy::SampleOptions>();
+  auto device = std::make_shared<std::string>("cpu");
+  auto no_preview = std::make_shared<bool>(false);
+  sub->add_option("model", o->model, "export, Diffusers or checkpoint role directory")->required();
+  sub->add_option("--prompts", o->prompts,
+                  "safetensors with 'text' [P, Lt, Dt] (and 'negative' [1 or P, Lt, Dt] for --guidance)")
+      ->required();
+  sub->add_option("--out", o->out, "output directory (latents.safetensors, preview.png, sample.json)")->required();
+  sub->add_option("--steps", o->steps, "Euler/CFG sampler with N steps");
+  sub->add_option("--timesteps", o->timesteps, "DMD sampler at these timesteps, e.g. 1000,757,522")->delimiter(',');
+  sub->add_option("--guidance", o->guidance, "classifier-free guidance scale (Euler; default 1)");
+  sub->add_option("--shift", o->shift, "flow shift of the schedule (default 3)");
+  sub->add_option("--noise", o->noise, "safetensors with 'noise' [P, 16, T, H, W] (else drawn from --seed)");
+  sub->add_option("--latent-shape", o->latent_shape, "T,H,W of the drawn noise")->delimiter(',');
+  sub->add_option("--seed", o->seed, "initial noise seed (default 0)");
+  sub->add_option("--renoise-seed", o->renoise_seed, "DMD re-noising seed (default 0)");
+  sub->add_option("--attention", o->attention, "attention backend (default: the one the model was trained with)");
+  sub->add_option("--device", *device, "cpu (default) | cuda | cuda:N | auto");
+  sub->add_flag("--no-preview", *no_preview, "do not write preview.png");
+  set_action(sub, [=] {
+    o->device = train::parse_device(*device);
+    o->preview = !*no_preview;
+    const auto r = deploy::run_sample(*o);
+    std::cout << "sampled " << r.latents.size(0) << " latents " << r.latents.sizes() << " with a "
+              << deploy::model_kind_name(r.kind) << " model (attention " << r.attention << ") into " << o->out
+              << "\n";
+    return 0;
+  });
+}
+
+}  // namespace vqad::cli

@@ -1,0 +1,146 @@
+// Entry points: YAML -> overrides -> per-section readers -> cross-section rules ->
+// resolved dump and hashes.
+#include "vqad/config/run_config.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "vqad/config/sections.h"
+#include "vqad/core/sha256.h"
+
+namespace vqad::train {
+
+using config::Ctx;
+using config::describe;
+using config::join;
+using config::key_fail;
+
+std::vector<std::string> MethodConfig::roles() const {
+  std::vector<std::string> v;
+  for (const auto& r : method_roles(kind)) v.push_back(r.name);
+  return v;
+}
+
+const RoleConfig& RunConfig::role(const std::string& name) const {
+  auto it = models.find(name);
+  if (it == models.end()) {
+    std::vector<std::string> have;
+    for (const auto& [k, v] : models) have.push_back(k);
+    fail("config: no model role '", name, "' (roles: ", join(have), ")");
+  }
+  return it->second;
+}
+
+namespace sections {
+const SectionSchema& top_level_schema() {
+  static const SectionSchema s{"<top level>",
+                               {key("models", KeyType::kMapping, nullptr, "role -> model (student, teacher, critic)"),
+                                key("method", KeyType::kMapping, nullptr, "the training method (_target_ + its keys)"),
+                                key("training", KeyType::kMapping, nullptr, "FastVideo's TrainingConfig"),
+                                key("callbacks", KeyType::kMapping, nullptr,
+                                    "name -> callback (grad_clip, validation, ema); null removes one"),
+                                key("pipeline", KeyType::kMapping, nullptr, "sampling pipeline settings")}};
+  return s;
+}
+}  // namespace sections
+
+std::vector<const config::SectionSchema*> run_config_schemas() {
+  std::vector<const config::SectionSchema*> v = {&sections::top_level_schema(), &sections::role_schema()};
+  for (auto* group : {&sections::method_schemas(), &sections::training_schemas(), &sections::callback_schemas(),
+                      &sections::pipeline_schemas()})
+    v.insert(v.end(), group->begin(), group->end());
+  return v;
+}
+
+namespace {
+
+void validate_roles(const Ctx& ctx, const RunConfig& c, const Json& raw_models) {
+  std::vector<std::string> need = c.method.roles();
+  const char* mname = method_name(c.method.kind);
+  for (const auto& r : need)
+    if (!c.models.count(r))
+      fail("config ", ctx.source, ": key 'models.", r, "': method ", mname, " needs roles ", join(need), "; '", r,
+           "' is missing");
+  for (auto it = raw_models.begin(); it != raw_models.end(); ++it)
+    if (std::find(need.begin(), need.end(), it.key()) == need.end())
+      key_fail(ctx, "models." + it.key(), "method ", mname, " uses roles ", join(need), "; remove the unused role '",
+               it.key(), "'");
+  auto want_trainable = [&](const std::string& role, bool trainable) {
+    const RoleConfig& r = c.models.at(role);
+    if (r.trainable != trainable)
+      key_fail(ctx, "models." + role + ".trainable", "method ", mname, " needs ", role,
+               trainable ? " trainable (true)" : " frozen (false)", ", found ", r.trainable ? "true" : "false");
+  };
+  for (const auto& r : method_roles(c.method.kind)) want_trainable(r.name, r.trainable);
+  if (c.method.kind == MethodKind::kDmd2 && c.training.data.preprocessed_data_type == "text_only" &&
+      c.method.dmd2.rollout_mode != RolloutMode::kSimulate)
+    key_fail(ctx, "method.rollout_mode",
+             "training.data.preprocessed_data_type text_only has no latents; rollout_mode must be simulate, found ",
+             rollout_mode_name(c.method.dmd2.rollout_mode));
+  config::check(c.training.optimizer.learning_rate > 0.0, ctx, "training.optimizer.learning_rate",
+                std::string("method ") + mname + " trains the student; learning_rate must be > 0, found " +
+                    config::format_double(c.training.optimizer.learning_rate));
+}
+
+}  // namespace
+
+RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                           const std::string& source_name) {
+  Ctx ctx{source_name.empty() ? std::string("<string>") : source_name};
+  RunConfig c;
+  c.source_sha256 = sha256_hex(yaml_text);
+  c.overrides = overrides;
+  Json raw = yaml_to_json(yaml_text, ctx.source);
+  if (raw.is_null()) fail("config ", ctx.source, ": empty; expected a mapping with models, method, training");
+  if (!raw.is_object())
+    fail("config ", ctx.source,
+         ": top level must be a mapping (models, method, training, callbacks, pipeline), found ", describe(raw));
+  for (const auto& [key, value] : parse_overrides(overrides)) apply_override(raw, key, value);
+  c.raw = raw;
+
+  config::Section top(ctx, &c.raw, sections::top_level_schema(), "");
+  const Json* models = top.get("models");
+  const Json* method = top.get("method");
+  const Json* training = top.get("training");
+  const Json* callbacks = top.get("callbacks");
+  const Json* pipeline = top.get("pipeline");
+  top.finish();
+  if (!models) fail("config ", ctx.source, ": missing required section 'models'");
+  if (!models->is_object() || models->empty())
+    fail("config ", ctx.source, ": key 'models': expected a mapping role -> model, found ", describe(*models));
+  if (!training) fail("config ", ctx.source, ": missing required section 'training'");
+
+  c.pipeline = sections::parse_pipeline(ctx, pipeline);
+  c.training = sections::parse_training(ctx, training, *models);
+  for (auto it = models->begin(); it != models->end(); ++it)
+    c.models.emplace(it.key(),
+                     sections::parse_role(ctx, it.key(), it.value(), c.training, c.pipeline.quant_config));
+  c.method = sections::parse_method(ctx, method);
+  c.callbacks = sections::parse_callbacks(ctx, callbacks);
+  validate_roles(ctx, c, *models);
+
+  c.resolved = Json::object();
+  Json rm = Json::object();
+  for (auto it = models->begin(); it != models->end(); ++it) rm[it.key()] = sections::to_json(c.models.at(it.key()));
+  c.resolved["models"] = rm;
+  c.resolved["method"] = sections::to_json(c.method);
+  c.resolved["training"] = sections::to_json(c.training);
+  c.resolved["callbacks"] = sections::to_json(c.callbacks, callbacks ? *callbacks : Json::object());
+  c.resolved["pipeline"] = sections::to_json(c.pipeline);
+  c.resolved_yaml = dump_yaml(c.resolved);
+  c.resolved_sha256 = sha256_hex(c.resolved_yaml);
+  return c;
+}
+
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path, std::ios::binary);
+  VQAD_CHECK(in.good(), "config ", path, ": cannot open file");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  RunConfig c = parse_run_config(ss.str(), overrides, path);
+  c.source_path = path;
+  return c;
+}
+
+}  // namespace vqad::train

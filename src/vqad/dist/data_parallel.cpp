@@ -1,0 +1,109 @@
+#include "vqad/dist/data_parallel.h"
+
+#include "vqad/core/error.h"
+#include "vqad/core/sha256.h"
+
+namespace vqad::dist {
+namespace {
+constexpr int64_t kBucketElements = int64_t(16) << 20;  // 64 MiB of fp32 per all-reduce
+}
+
+std::string executable_sha256() { return sha256_file("/proc/self/exe"); }
+
+std::unique_ptr<DataParallel> DataParallel::create(const MeshSpec& mesh) {
+  auto w = world();
+  const int64_t world_size = w ? w->size() : 1;
+  const std::string p = "training.distributed";
+  VQAD_CHECK(mesh.num_gpus == world_size, p, ".num_gpus = ", mesh.num_gpus, " but this process is one of ",
+             world_size, world_size == 1 ? " (a single process; start the ranks with `vqad launch --nproc " +
+                                                   std::to_string(mesh.num_gpus) + " train ...` or torchrun, or "
+                                                   "train on one device with --training.distributed.num_gpus 1 "
+                                                   "--training.distributed.sp_size 1 "
+                                                   "--training.distributed.hsdp_replicate_dim 1 "
+                                                   "--training.distributed.hsdp_shard_dim 1)"
+                                             : " launched ranks");
+  if (world_size == 1) return nullptr;
+  VQAD_CHECK(mesh.sp_size == 1, p, ".sp_size = ", mesh.sp_size,
+             ": sequence parallelism is not available in this vqad build (use sp_size 1)");
+  VQAD_CHECK(mesh.hsdp_shard_dim == 1, p, ".hsdp_shard_dim = ", mesh.hsdp_shard_dim,
+             ": sharded data parallelism is not available in this vqad build; replicate instead with "
+             "--training.distributed.hsdp_replicate_dim ", mesh.num_gpus, " --training.distributed.hsdp_shard_dim 1");
+  return std::make_unique<DataParallel>(w, mesh);
+}
+
+DataParallel::DataParallel(std::shared_ptr<ProcessGroup> world, MeshSpec mesh)
+    : world_(std::move(world)), mesh_(mesh) {}
+
+void DataParallel::check_same(const std::string& what, const std::string& value) {
+  auto all = world_->all_gather_string(value, what);
+  for (size_t k = 1; k < all.size(); ++k)
+    VQAD_CHECK(all[k] == all[0], "distributed: ", what, " differs between ranks: rank 0 has ", all[0], ", rank ", k,
+               " has ", all[k], " (every rank must run the same vqad build on the same resolved config)");
+}
+
+void DataParallel::broadcast_parameters(const std::vector<torch::Tensor>& params, const std::string& what) {
+  torch::NoGradGuard ng;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto t = params[i].detach();
+    world_->broadcast(t, 0, what + " #" + std::to_string(i));
+  }
+}
+
+void DataParallel::average_gradients(const std::vector<torch::Tensor>& params, const std::string& what) {
+  torch::NoGradGuard ng;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  size_t i = 0;
+  int bucket = 0;
+  while (i < grads.size()) {
+    // One bucket: consecutive gradients up to kBucketElements (at least one).
+    size_t j = i;
+    int64_t n = 0;
+    std::vector<torch::Tensor> flat;
+    while (j < grads.size() && (j == i || n + grads[j].numel() <= kBucketElements)) {
+      n += grads[j].numel();
+      flat.push_back(grads[j].detach().reshape({-1}).to(torch::kFloat32));
+      ++j;
+    }
+    auto buf = torch::cat(flat);
+    world_->all_reduce(buf, ReduceOp::kAvg, "grads " + what + " bucket " + std::to_string(bucket++));
+    int64_t off = 0;
+    for (size_t k = i; k < j; ++k) {
+      const int64_t m = grads[k].numel();
+      grads[k].copy_(buf.narrow(0, off, m).view(grads[k].sizes()));
+      off += m;
+    }
+    i = j;
+  }
+}
+
+void DataParallel::average_metrics(std::map<std::string, double>& values, const std::string& what) {
+  if (values.empty()) return;
+  auto t = torch::empty({static_cast<int64_t>(values.size())}, torch::kFloat64);
+  auto* p = t.data_ptr<double>();
+  size_t i = 0;
+  for (const auto& [k, v] : values) p[i++] = v;
+  auto d = t.to(world_->device());
+  world_->all_reduce(d, ReduceOp::kAvg, what);
+  t = d.cpu();
+  p = t.data_ptr<double>();
+  i = 0;
+  for (auto& [k, v] : values) v = p[i++];
+}
+
+double DataParallel::sum(double local, const std::string& what) {
+  auto t = torch::full({1}, local, torch::TensorOptions().dtype(torch::kFloat64).device(world_->device()));
+  world_->all_reduce(t, ReduceOp::kSum, what);
+  return t.item<double>();
+}
+
+nlohmann::json DataParallel::mesh_json() const {
+  return {{"world_size", world_->size()},
+          {"sp_size", mesh_.sp_size},
+          {"hsdp_replicate_dim", mesh_.hsdp_replicate_dim},
+          {"hsdp_shard_dim", mesh_.hsdp_shard_dim},
+          {"dp_size", dp_size()}};
+}
+
+}  // namespace vqad::dist

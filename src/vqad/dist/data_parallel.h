@@ -1,0 +1,65 @@
+// Replicated data parallelism for the trainer (mesh hsdp_replicate_dim = world, shard 1, SP 1).
+//
+// What the trainer calls:
+//  - at start: check_same_run (every rank runs the same resolved config and the same vqad
+//    executable, by sha256), then broadcast_parameters from rank 0;
+//  - after the last micro-batch's backward of a step: average_gradients per updated role
+//    (fp32, flat buckets, one all-reduce SUM per bucket then one division by the world size;
+//    gradient accumulation communicates once per optimizer step), then average_metrics (the
+//    losses every rank logs and checks are the global ones, so clipping and the NaN guard
+//    decide alike everywhere);
+//  - checkpoints: rank 0 writes (the state is replicated), every rank waits at a barrier.
+// A one-process run has no DataParallel (no collectives at all).
+#pragma once
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "vqad/dist/process_group.h"
+
+namespace vqad::dist {
+
+struct MeshSpec {
+  int64_t num_gpus = 1;
+  int64_t sp_size = 1;
+  int64_t hsdp_replicate_dim = 1;
+  int64_t hsdp_shard_dim = 1;
+};
+
+class DataParallel {
+ public:
+  // nullptr for a one-process run. Checks the mesh against the launched world (errors name
+  // the training.distributed key).
+  static std::unique_ptr<DataParallel> create(const MeshSpec& mesh);
+  explicit DataParallel(std::shared_ptr<ProcessGroup> world, MeshSpec mesh);
+
+  int rank() const { return world_->rank(); }
+  int world_size() const { return world_->size(); }
+  bool is_main() const { return world_->rank() == 0; }
+  int64_t dp_rank() const { return world_->rank() / mesh_.sp_size; }
+  int64_t dp_size() const { return world_->size() / mesh_.sp_size; }
+  ProcessGroup& group() { return *world_; }
+
+  // Every rank must present the same value (e.g. a sha256); the error names the first rank
+  // that differs from rank 0 and both values.
+  void check_same(const std::string& what, const std::string& value);
+  void broadcast_parameters(const std::vector<torch::Tensor>& params, const std::string& what);
+  void average_gradients(const std::vector<torch::Tensor>& params, const std::string& what);
+  void average_metrics(std::map<std::string, double>& values, const std::string& what);
+  double sum(double local, const std::string& what);
+  void barrier(const std::string& what) { world_->barrier(what); }
+  nlohmann::json mesh_json() const;
+
+ private:
+  std::shared_ptr<ProcessGroup> world_;
+  MeshSpec mesh_;
+};
+
+// sha256 of this process's executable (/proc/self/exe): "the same vqad build" on every rank.
+std::string executable_sha256();
+
+}  // namespace vqad::dist

@@ -1,0 +1,85 @@
+// Process groups and collectives on c10d.
+//
+// Rendezvous is a c10d::TCPStore at MASTER_ADDR:MASTER_PORT (hosted by rank 0, or by the
+// launcher when it says so). The collectives run on a c10d::Backend: Gloo for CPU tensors,
+// NCCL for CUDA tensors (a build with LibTorch's CUDA libraries). Every collective has a
+// name (what it moves, e.g. "all_reduce(grads student)") and a per-group sequence number.
+//
+// Faults: each process runs a heartbeat thread that writes "<time> <group> <seq> <name>"
+// into the store every 200 ms. When a collective fails or exceeds the group's timeout, the
+// error names the collective and diagnoses the other ranks from their heartbeats: a rank
+// whose heartbeat stopped (it died or froze), a rank that has not reached this collective
+// (it hangs elsewhere, its last collective is named), or a rank that reported its own
+// error before exiting. No collective waits past the timeout.
+//
+// Determinism: all_reduce SUM of floating tensors is performed by the backend in an order
+// that depends only on the group size (Gloo: ring; NCCL: its algorithm for the topology), so
+// every rank receives the same bits; kAvg is SUM followed by one division by the group size
+// (the same on Gloo and NCCL).
+#pragma once
+#include <torch/torch.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vqad/dist/env.h"
+
+namespace vqad::dist {
+
+enum class ReduceOp { kSum, kAvg, kMax };
+
+struct GroupOptions {
+  std::chrono::milliseconds timeout{600000};  // every collective and the rendezvous
+  torch::Device device = torch::kCPU;          // CPU -> Gloo, CUDA -> NCCL
+};
+
+class ProcessGroup {
+ public:
+  // The world group of this process (blocks until every rank has joined, or the timeout).
+  static std::shared_ptr<ProcessGroup> init(const LaunchEnv& env, const GroupOptions& options);
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  // A group over `ranks` (global ranks, strictly ascending, containing this rank). Every
+  // member calls it with the same name and ranks; non-members do not call it.
+  std::shared_ptr<ProcessGroup> subgroup(const std::string& name, const std::vector<int>& ranks);
+
+  int rank() const;        // within this group
+  int size() const;
+  int global_rank() const;
+  const std::string& name() const;
+  std::chrono::milliseconds timeout() const;
+  torch::Device device() const;  // where this group's tensors live
+  const std::vector<int>& global_ranks() const;
+
+  // In place; every rank passes a tensor of the same shape and dtype.
+  void all_reduce(torch::Tensor& t, ReduceOp op, const std::string& what);
+  void broadcast(torch::Tensor& t, int root, const std::string& what);
+  // Concatenation of every rank's `local` along dim 0 (rank order).
+  torch::Tensor all_gather(const torch::Tensor& local, const std::string& what);
+  // `full` split into size() equal chunks along dim 0; rank r receives the reduction of chunk r.
+  torch::Tensor reduce_scatter(const torch::Tensor& full, ReduceOp op, const std::string& what);
+  // `in` split into size() equal chunks along dim 0; chunk j goes to rank j, the output holds
+  // the chunks received from ranks 0..size-1 in order.
+  torch::Tensor all_to_all(const torch::Tensor& in, const std::string& what);
+  void barrier(const std::string& what);
+  // Every rank's string, in rank order (through the store; small values: hashes, ids).
+  std::vector<std::string> all_gather_string(const std::string& value, const std::string& what);
+
+  // Called on the way out of a failing rank: the others name this error in theirs.
+  void report_failure(const std::string& message);
+
+  struct Impl;
+
+ private:
+  explicit ProcessGroup(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The process's world group once init() has run (nullptr before, and in single-process runs).
+std::shared_ptr<ProcessGroup> world();
+
+}  // namespace vqad::dist

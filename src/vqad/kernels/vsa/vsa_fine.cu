@@ -1,0 +1,759 @@
+// VSA fine stage (spec/attention.md "VSA"; numerics/vsa_ref.h step 4) on mma.sync
+// m16n8k16 (bf16 in, fp32 accumulate), over the tiled [B, H, P, D] operands.
+//
+//   fine_fwd_kernel:  CTA = one 64-row query block (4 warps x 16 rows) of one (b, h);
+//                     it visits the physical 64-key blocks of its query cube's selected
+//                     KV cubes in ascending cube order (empty blocks are not in the visit
+//                     list, partial ones are masked to -inf), K / V double buffered with
+//                     cp.async. Per visited block (kVsaTileBlocks = 1): running max,
+//                     P = exp2(s - m), P^ = NVFP4(P) per 16 keys against that max, l from
+//                     bf16(P), O += bf16(P^) V, O_hp += bf16(P) V: the dense ATTN_QAT_TRAIN
+//                     forward's arithmetic (same exp2, same scale table and rounding).
+//   fine_stats_kernel: per tiled row {m, 1/l, delta = rowsum(dO * O_hp)} (zeros for padding).
+//   fine_dkdv_kernel: CTA = one 64-key block; loops over the 64-query blocks of the query
+//                     cubes that selected its cube (inverse lists, ascending), forming
+//                     dK, dV in registers (the dense mma.sync dK/dV step: S^T = K Q^T so a
+//                     warp's 16 keys are one P group per query, dkdv_phase1/2).
+//   fine_dq_kernel:   CTA = one 64-row query block; loops over the forward's visit list.
+// No atomics; every sum has a fixed order, so results are bitwise reproducible.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "vqad/core/error.h"
+#include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
+#include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/common/sm90_ptx.cuh"
+#include "vqad/kernels/vsa/vsa_internal.cuh"
+#include "vqad/kernels/vsa/vsa_kernels.h"
+
+namespace vqad::kernels::vsa {
+namespace {
+
+using nvfp4_device::div6;
+using nvfp4_device::e2m1_rne_magnitude;
+using nvfp4_device::e4m3_bytes2;
+using sm90::cp_async16;
+using sm90::cp_async_commit;
+using sm90::cp_async_wait;
+using sm90::fast_exp2;
+using sm90::pack_bf16;
+using bf16 = __nv_bfloat16;
+
+constexpr int kD = kVsaHeadDim;
+constexpr int kBT = kVsaBlockTokens;
+constexpr int kWarps = kBT / 16;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks of one row
+constexpr int kTileElems = kBT * kD;   // one 64 x 128 tile
+static_assert(kVsaTileBlocks == 1, "the fine kernels update the running max once per visited block");
+
+// Element offset of (row, 16-byte chunk) in a [rows][128] bf16 tile whose chunks are
+// XOR-swizzled by row % 8 (conflict-free ldmatrix phases).
+__device__ __forceinline__ int swz(int row, int chunk) { return row * kD + ((chunk ^ (row & 7)) << 3); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) { sm90::ldmatrix_x4(r, sm90::smem_addr(p)); }
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  sm90::ldmatrix_x4_trans(r, sm90::smem_addr(p));
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  sm90::mma_bf16_m16n8k16(c, a, b0, b1);
+}
+
+// Copies the 64 x 128 tile starting at `src` (contiguous rows of 128) into a swizzled tile.
+__device__ __forceinline__ void load_tile64(bf16* dst, const bf16* src, int tid) {
+#pragma unroll
+  for (int i = tid; i < kBT * kChunksPerRow; i += kThreads) {
+    const int r = i / kChunksPerRow, ch = i % kChunksPerRow;
+    cp_async16(dst + swz(r, ch), src + static_cast<int64_t>(r) * kD + ch * 8, true);
+  }
+}
+
+// Visit list of one lists row: the physical blocks cube * bpc + s, s < ceil(tokens / 64),
+// of the `count` cubes in row[] (ascending, as stored), written to out[] in that order.
+// Called by one whole warp; returns the number of blocks (on every lane).
+__device__ int build_visit_list(const int32_t* row, int count, const int32_t* cube_tokens, int bpc,
+                                int* out, int lane) {
+  int total = 0;
+  for (int base = 0; base < count; base += 32) {
+    const int i = base + lane;
+    int nb = 0, cube = 0;
+    if (i < count) {
+      cube = row[i];
+      nb = (cube_tokens[cube] + kBT - 1) / kBT;
+    }
+    int incl = nb;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    const int excl = total + incl - nb;
+    for (int s = 0; s < nb; ++s) out[excl + s] = cube * bpc + s;
+    total += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  return total;
+}
+
+struct FineParams {
+  const bf16* q;  // tiled [B, H, P, D]
+  const bf16* k;
+  const bf16* v;
+  const bf16* d_o;        // tiled dO (backward)
+  const float4* stats;    // [B, H, P] (backward)
+  bf16* o;                // forward: O; backward dq kernel: dQ; dkdv kernel: dK
+  bf16* o_hp;             // forward: O_hp; dkdv kernel: dV
+  float* m;
+  float* l;
+  const int32_t* list_index;  // [B, H, nc, list_stride]
+  const int32_t* list_count;  // [B, H, nc]
+  const int32_t* cube_tokens;
+  const int32_t* block_tokens;
+  int H, P, nc, bpc, list_stride;
+  float scale, c;  // c = scale * log2(e)
+};
+
+// ---------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------
+// P^ of one element (as the dense forward): with S = 0 (amax <= 6 * 2^-10) inv = inf and
+// every element becomes 6 * 0 = +0, the zero block.
+__device__ __forceinline__ float fq_p(float p, float S, float inv) { return e2m1_rne_magnitude(p * inv) * S; }
+
+// bf16 fragments of P (pa) and P^ (qa) of one 16-key group from the S accumulator slices
+// sa (keys 0-7) and sb (keys 8-15); the bf16(P) row sums are accumulated into lacc by an
+// mma against ones (the dense forward's p_fragments, table = (S, 1/S) per E4M3 byte).
+template <bool QUANT_P>
+__device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&sb)[4], float c, float neg0,
+                                            float neg1, const float2* table, float (&lacc)[4], uint32_t (&pa)[4],
+                                            uint32_t (&qa)[4]) {
+  float pr[8];
+  pr[0] = fast_exp2(fmaf(sa[0], c, neg0));
+  pr[1] = fast_exp2(fmaf(sa[1], c, neg0));
+  pr[2] = fast_exp2(fmaf(sb[0], c, neg0));
+  pr[3] = fast_exp2(fmaf(sb[1], c, neg0));
+  pr[4] = fast_exp2(fmaf(sa[2], c, neg1));
+  pr[5] = fast_exp2(fmaf(sa[3], c, neg1));
+  pr[6] = fast_exp2(fmaf(sb[2], c, neg1));
+  pr[7] = fast_exp2(fmaf(sb[3], c, neg1));
+  pa[0] = pack_bf16(pr[0], pr[1]);
+  pa[1] = pack_bf16(pr[4], pr[5]);
+  pa[2] = pack_bf16(pr[2], pr[3]);
+  pa[3] = pack_bf16(pr[6], pr[7]);
+  const uint32_t ones = 0x3F803F80u;  // two bf16 1.0
+  mma_bf16(lacc, pa, ones, ones);
+  if constexpr (QUANT_P) {
+    float am0 = fmaxf(fmaxf(pr[0], pr[1]), fmaxf(pr[2], pr[3]));
+    float am1 = fmaxf(fmaxf(pr[4], pr[5]), fmaxf(pr[6], pr[7]));
+    am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 1));
+    am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 1));
+    am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 2));
+    am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 2));
+    const uint32_t sbytes = e4m3_bytes2(div6(am0), div6(am1));
+    const float2 s0 = table[sbytes & 0x7F];
+    const float2 s1 = table[(sbytes >> 8) & 0x7F];
+    qa[0] = pack_bf16(fq_p(pr[0], s0.x, s0.y), fq_p(pr[1], s0.x, s0.y));
+    qa[1] = pack_bf16(fq_p(pr[4], s1.x, s1.y), fq_p(pr[5], s1.x, s1.y));
+    qa[2] = pack_bf16(fq_p(pr[2], s0.x, s0.y), fq_p(pr[3], s0.x, s0.y));
+    qa[3] = pack_bf16(fq_p(pr[6], s1.x, s1.y), fq_p(pr[7], s1.x, s1.y));
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) qa[e] = pa[e];
+  }
+}
+
+size_t fwd_smem_bytes(int list_cap) {
+  return static_cast<size_t>(5 * kTileElems) * sizeof(bf16) + 128 * sizeof(float2) +
+         static_cast<size_t>(list_cap) * sizeof(int);
+}
+
+template <bool QUANT_P>
+__global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem);  // [64][128]
+  bf16* sK = sQ + kTileElems;                 // [2][64][128]
+  bf16* sV = sK + 2 * kTileElems;             // [2][64][128]
+  float2* table = reinterpret_cast<float2*>(sV + 2 * kTileElems);  // [128] (S, 1/S)
+  int* vis = reinterpret_cast<int*>(table + 128);
+  __shared__ int s_nvis;
+
+  const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  if (p.block_tokens[qb] == 0) return;  // padding block: nothing reads its rows
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+  const int64_t head_off = bh * p.P * kD;
+  const int qcube = qb / p.bpc;
+
+  load_tile64(sQ, p.q + head_off + static_cast<int64_t>(qb) * kTileElems, tid);
+  cp_async_commit();
+  if (tid < 128) {
+    const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
+    table[tid] = make_float2(S, __frcp_rn(S));
+  }
+  if (warp == 0) {
+    const int64_t row = bh * p.nc + qcube;
+    const int n = build_visit_list(p.list_index + row * p.list_stride, p.list_count[row], p.cube_tokens,
+                                   p.bpc, vis, lane);
+    if (lane == 0) s_nvis = n;
+  }
+  __syncthreads();
+  const int nvis = s_nvis;
+  if (nvis > 0) {
+    load_tile64(sK, p.k + head_off + static_cast<int64_t>(vis[0]) * kTileElems, tid);
+    load_tile64(sV, p.v + head_off + static_cast<int64_t>(vis[0]) * kTileElems, tid);
+  }
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+
+  uint32_t qf[kD / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) ldsm_x4(qf[kk], sQ + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+
+  float acc[16][4], acch[QUANT_P ? 16 : 1][4], lacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+#pragma unroll
+  for (int n = 0; n < (QUANT_P ? 16 : 1); ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acch[n][e] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY;  // running max of rows g, g + 8 (log2 domain)
+
+  for (int it = 0; it < nvis; ++it) {
+    const int stage = it & 1;
+    if (it + 1 < nvis) {
+      const int64_t off = head_off + static_cast<int64_t>(vis[it + 1]) * kTileElems;
+      load_tile64(sK + (stage ^ 1) * kTileElems, p.k + off, tid);
+      load_tile64(sV + (stage ^ 1) * kTileElems, p.v + off, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* cK = sK + stage * kTileElems;
+    const bf16* cV = sV + stage * kTileElems;
+    const int kvalid = p.block_tokens[vis[it]];
+
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn) {
+        uint32_t bk[4];
+        ldsm_x4(bk, cK + swz(nn * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+        mma_bf16(s[2 * nn], qf[kk], bk[0], bk[1]);
+        mma_bf16(s[2 * nn + 1], qf[kk], bk[2], bk[3]);
+      }
+    }
+    if (kvalid < kBT) {  // partial block: absent keys take no part (P = 0)
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (n * 8 + 2 * t4 + e >= kvalid) s[n][e] = s[n][2 + e] = -INFINITY;
+        }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0 * p.c), mn1 = fmaxf(m1, mx1 * p.c);
+    const float al0 = fast_exp2(m0 - mn0), al1 = fast_exp2(m1 - mn1);  // m = -inf: 0
+    m0 = mn0;
+    m1 = mn1;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      acc[n][0] *= al0, acc[n][1] *= al0, acc[n][2] *= al1, acc[n][3] *= al1;
+      if constexpr (QUANT_P) acch[n][0] *= al0, acch[n][1] *= al0, acch[n][2] *= al1, acch[n][3] *= al1;
+    }
+    lacc[0] *= al0, lacc[1] *= al0, lacc[2] *= al1, lacc[3] *= al1;
+
+#pragma unroll
+    for (int ks = 0; ks < kBT / 16; ++ks) {
+      uint32_t pa[4], qa[4];
+      p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], p.c, -mn0, -mn1, table, lacc, pa, qa);
+#pragma unroll
+      for (int dn = 0; dn < kD / 16; ++dn) {
+        uint32_t bv[4];
+        ldsm_x4_trans(bv, cV + swz(ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dn * 2 + (lane >> 4)));
+        mma_bf16(acc[2 * dn], qa, bv[0], bv[1]);
+        mma_bf16(acc[2 * dn + 1], qa, bv[2], bv[3]);
+        if constexpr (QUANT_P) {
+          mma_bf16(acch[2 * dn], pa, bv[0], bv[1]);
+          mma_bf16(acch[2 * dn + 1], pa, bv[2], bv[3]);
+        }
+      }
+    }
+    __syncthreads();  // the next prefetch overwrites this stage
+  }
+  cp_async_wait<0>();  // nothing in flight at exit (an empty visit list leaves the first loads)
+
+  const int r0 = qb * kBT + warp * 16 + g;  // tiled rows of this lane: r0, r0 + 8
+  const float l0 = lacc[0], l1 = lacc[2];
+  bf16* o_base = p.o + head_off;
+  bf16* oh_base = p.o_hp + head_off;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int col = n * 8 + 2 * t4;
+    const int64_t o0 = static_cast<int64_t>(r0) * kD + col, o1 = o0 + 8 * kD;
+    *reinterpret_cast<uint32_t*>(o_base + o0) = pack_bf16(acc[n][0] / l0, acc[n][1] / l0);
+    *reinterpret_cast<uint32_t*>(o_base + o1) = pack_bf16(acc[n][2] / l1, acc[n][3] / l1);
+    if constexpr (QUANT_P) {
+      *reinterpret_cast<uint32_t*>(oh_base + o0) = pack_bf16(acch[n][0] / l0, acch[n][1] / l0);
+      *reinterpret_cast<uint32_t*>(oh_base + o1) = pack_bf16(acch[n][2] / l1, acch[n][3] / l1);
+    } else {
+      *reinterpret_cast<uint32_t*>(oh_base + o0) = pack_bf16(acc[n][0] / l0, acc[n][1] / l0);
+      *reinterpret_cast<uint32_t*>(oh_base + o1) = pack_bf16(acc[n][2] / l1, acc[n][3] / l1);
+    }
+  }
+  if (t4 == 0) {
+    const int64_t so = bh * p.P + r0;
+    p.m[so] = m0;
+    p.m[so + 8] = m1;
+    p.l[so] = l0;
+    p.l[so + 8] = l1;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backward: row statistics
+// ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(256) fine_stats_kernel(const bf16* d_o, const bf16* o_hp, const float* m,
+                                                         const float* l, const int32_t* block_tokens,
+                                                         float4* stats, int64_t rows, int P) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const int slot = static_cast<int>(row % P);
+  const bool valid = (slot % kBT) < block_tokens[slot / kBT];
+  if (!valid) {
+    if (lane == 0) stats[row] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    return;
+  }
+  const uint2 dv = *reinterpret_cast<const uint2*>(d_o + row * kD + lane * 4);
+  const uint2 ov = *reinterpret_cast<const uint2*>(o_hp + row * kD + lane * 4);
+  const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&dv);
+  const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&ov);
+  float acc = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float2 df = __bfloat1622float2(d2[e]);
+    const float2 of = __bfloat1622float2(o2[e]);
+    acc = fmaf(df.x, of.x, acc);
+    acc = fmaf(df.y, of.y, acc);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) stats[row] = make_float4(m[row], 1.0f / l[row], acc, 0.0f);
+}
+
+// ---------------------------------------------------------------------------
+// Backward: dK, dV per 64-key block
+// ---------------------------------------------------------------------------
+size_t dkdv_smem_bytes(int list_cap) {
+  return static_cast<size_t>(6 * kTileElems) * sizeof(bf16) + 2 * kBT * sizeof(float4) +
+         static_cast<size_t>(list_cap) * sizeof(int);
+}
+
+template <AttnQatBwdPMode MODE>
+__global__ void __launch_bounds__(kThreads, 2) fine_dkdv_kernel(const FineParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  bf16* sK = reinterpret_cast<bf16*>(smem);
+  bf16* sV = sK + kTileElems;
+  bf16* sQ = sV + kTileElems;        // [2][64][128]
+  bf16* sdO = sQ + 2 * kTileElems;   // [2][64][128]
+  float4* sSt = reinterpret_cast<float4*>(sdO + 2 * kTileElems);  // [2][64]
+  int* vis = reinterpret_cast<int*>(sSt + 2 * kBT);
+  __shared__ int s_nvis;
+
+  const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int kvalid = p.block_tokens[kb];
+  if (kvalid == 0) return;  // padding block: nothing reads its rows
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+  const int64_t head_off = bh * p.P * kD;
+  const int kcube = kb / p.bpc;
+
+  load_tile64(sK, p.k + head_off + static_cast<int64_t>(kb) * kTileElems, tid);
+  load_tile64(sV, p.v + head_off + static_cast<int64_t>(kb) * kTileElems, tid);
+  if (warp == 0) {
+    const int64_t row = bh * p.nc + kcube;
+    const int n = build_visit_list(p.list_index + row * p.list_stride, p.list_count[row], p.cube_tokens,
+                                   p.bpc, vis, lane);
+    if (lane == 0) s_nvis = n;
+  }
+  __syncthreads();
+  const int nvis = s_nvis;
+  const float4* st_bh = p.stats + bh * p.P;
+  auto load_q_block = [&](int qb, int stage) {
+    const int64_t off = head_off + static_cast<int64_t>(qb) * kTileElems;
+    load_tile64(sQ + stage * kTileElems, p.q + off, tid);
+    load_tile64(sdO + stage * kTileElems, p.d_o + off, tid);
+    for (int i = tid; i < kBT; i += kThreads) cp_async16(&sSt[stage * kBT + i], st_bh + qb * kBT + i, true);
+  };
+  if (nvis > 0) load_q_block(vis[0], 0);
+  cp_async_commit();
+
+  float dk[16][4], dv[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+
+  const int key0 = warp * 16 + g;  // this lane's keys in the block: key0, key0 + 8
+  const bool key_tail = warp * 16 + 16 > kvalid;
+  const bool key_ok0 = key0 < kvalid, key_ok1 = key0 + 8 < kvalid;
+
+  for (int it = 0; it < nvis; ++it) {
+    const int stage = it & 1;
+    if (it + 1 < nvis) {
+      load_q_block(vis[it + 1], stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* cQ = sQ + stage * kTileElems;
+    const bf16* cdO = sdO + stage * kTileElems;
+    const float4* cSt = sSt + stage * kBT;
+
+    float s[8][4], dp[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t ak[4], av[4];
+      ldsm_x4(ak, sK + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      ldsm_x4(av, sV + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn) {
+        const int off = swz(nn * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1));
+        uint32_t bq[4], bd[4];
+        ldsm_x4(bq, cQ + off);
+        ldsm_x4(bd, cdO + off);
+        mma_bf16(s[2 * nn], ak, bq[0], bq[1]);
+        mma_bf16(s[2 * nn + 1], ak, bq[2], bq[3]);
+        mma_bf16(dp[2 * nn], av, bd[0], bd[1]);
+        mma_bf16(dp[2 * nn + 1], av, bd[2], bd[3]);
+      }
+    }
+    uint32_t ap_all[4][4], ads_all[4][4];
+    attn_bwd::dkdv_phase1<MODE>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap_all);
+    attn_bwd::dkdv_phase2<MODE>(s, dp, cSt, lane, ads_all);
+#pragma unroll
+    for (int kq = 0; kq < kBT / 16; ++kq) {
+#pragma unroll
+      for (int dn = 0; dn < kD / 16; ++dn) {
+        const int off = swz(kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dn * 2 + (lane >> 4));
+        uint32_t bd[4], bq[4];
+        ldsm_x4_trans(bd, cdO + off);
+        ldsm_x4_trans(bq, cQ + off);
+        mma_bf16(dv[2 * dn], ap_all[kq], bd[0], bd[1]);
+        mma_bf16(dv[2 * dn + 1], ap_all[kq], bd[2], bd[3]);
+        mma_bf16(dk[2 * dn], ads_all[kq], bq[0], bq[1]);
+        mma_bf16(dk[2 * dn + 1], ads_all[kq], bq[2], bq[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  // Every row of the block is written (zeros where no query cube selected it).
+  bf16* dk_base = p.o + head_off;
+  bf16* dv_base = p.o_hp + head_off;
+  const int r0 = kb * kBT + key0;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int col = n * 8 + 2 * t4;
+    const int64_t o0 = static_cast<int64_t>(r0) * kD + col, o1 = o0 + 8 * kD;
+    *reinterpret_cast<uint32_t*>(dk_base + o0) = pack_bf16(dk[n][0] * p.scale, dk[n][1] * p.scale);
+    *reinterpret_cast<uint32_t*>(dv_base + o0) = pack_bf16(dv[n][0], dv[n][1]);
+    *reinterpret_cast<uint32_t*>(dk_base + o1) = pack_bf16(dk[n][2] * p.scale, dk[n][3] * p.scale);
+    *reinterpret_cast<uint32_t*>(dv_base + o1) = pack_bf16(dv[n][2], dv[n][3]);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backward: dQ per 64-query block
+// ---------------------------------------------------------------------------
+size_t dq_smem_bytes(int list_cap) {
+  return static_cast<size_t>(6 * kTileElems) * sizeof(bf16) + static_cast<size_t>(list_cap) * sizeof(int);
+}
+
+__global__ void __launch_bounds__(kThreads, 2) fine_dq_kernel(const FineParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem);
+  bf16* sdO = sQ + kTileElems;
+  bf16* sK = sdO + kTileElems;      // [2][64][128]
+  bf16* sV = sK + 2 * kTileElems;   // [2][64][128]
+  int* vis = reinterpret_cast<int*>(sV + 2 * kTileElems);
+  __shared__ int s_nvis;
+
+  const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  if (p.block_tokens[qb] == 0) return;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+  const int64_t head_off = bh * p.P * kD;
+  const int qcube = qb / p.bpc;
+
+  load_tile64(sQ, p.q + head_off + static_cast<int64_t>(qb) * kTileElems, tid);
+  load_tile64(sdO, p.d_o + head_off + static_cast<int64_t>(qb) * kTileElems, tid);
+  cp_async_commit();
+  if (warp == 0) {
+    const int64_t row = bh * p.nc + qcube;
+    const int n = build_visit_list(p.list_index + row * p.list_stride, p.list_count[row], p.cube_tokens,
+                                   p.bpc, vis, lane);
+    if (lane == 0) s_nvis = n;
+  }
+  __syncthreads();
+  const int nvis = s_nvis;
+  auto load_kv_block = [&](int kb, int stage) {
+    const int64_t off = head_off + static_cast<int64_t>(kb) * kTileElems;
+    load_tile64(sK + stage * kTileElems, p.k + off, tid);
+    load_tile64(sV + stage * kTileElems, p.v + off, tid);
+  };
+  if (nvis > 0) load_kv_block(vis[0], 0);
+  cp_async_commit();
+
+  const int r0 = qb * kBT + warp * 16 + g;  // tiled rows r0, r0 + 8
+  const float4 st0 = p.stats[bh * p.P + r0];
+  const float4 st1 = p.stats[bh * p.P + r0 + 8];
+
+  cp_async_wait<1>();
+  __syncthreads();
+  // Q and dO fragments are re-read from shared memory every step (registers go to dQ, S, dP).
+  float dq[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
+
+  for (int it = 0; it < nvis; ++it) {
+    const int stage = it & 1;
+    if (it + 1 < nvis) {
+      load_kv_block(vis[it + 1], stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bf16* cK = sK + stage * kTileElems;
+    const bf16* cV = sV + stage * kTileElems;
+    const int kvalid = p.block_tokens[vis[it]];
+
+    float s[8][4], dp[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t qf[4], df[4];
+      ldsm_x4(qf, sQ + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      ldsm_x4(df, sdO + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+      for (int nn = 0; nn < 4; ++nn) {
+        const int off = swz(nn * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1));
+        uint32_t bk[4], bv[4];
+        ldsm_x4(bk, cK + off);
+        ldsm_x4(bv, cV + off);
+        mma_bf16(s[2 * nn], qf, bk[0], bk[1]);
+        mma_bf16(s[2 * nn + 1], qf, bk[2], bk[3]);
+        mma_bf16(dp[2 * nn], df, bv[0], bv[1]);
+        mma_bf16(dp[2 * nn + 1], df, bv[2], bv[3]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float p0 = fast_exp2(fmaf(s[j][e], p.c, -st0.x)) * st0.y;
+        float p1 = fast_exp2(fmaf(s[j][2 + e], p.c, -st1.x)) * st1.y;
+        if (j * 8 + 2 * t4 + e >= kvalid) p0 = p1 = 0.0f;
+        dp[j][e] = p0 * (dp[j][e] - st0.z);
+        dp[j][2 + e] = p1 * (dp[j][2 + e] - st1.z);
+      }
+    }
+#pragma unroll
+    for (int kq = 0; kq < kBT / 16; ++kq) {
+      const uint32_t ads[4] = {pack_bf16(dp[2 * kq][0], dp[2 * kq][1]), pack_bf16(dp[2 * kq][2], dp[2 * kq][3]),
+                               pack_bf16(dp[2 * kq + 1][0], dp[2 * kq + 1][1]),
+                               pack_bf16(dp[2 * kq + 1][2], dp[2 * kq + 1][3])};
+#pragma unroll
+      for (int dn = 0; dn < kD / 16; ++dn) {
+        uint32_t bk[4];
+        ldsm_x4_trans(bk, cK + swz(kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dn * 2 + (lane >> 4)));
+        mma_bf16(dq[2 * dn], ads, bk[0], bk[1]);
+        mma_bf16(dq[2 * dn + 1], ads, bk[2], bk[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  bf16* dq_base = p.o + head_off;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int col = n * 8 + 2 * t4;
+    const int64_t o0 = static_cast<int64_t>(r0) * kD + col, o1 = o0 + 8 * kD;
+    *reinterpret_cast<uint32_t*>(dq_base + o0) = pack_bf16(dq[n][0] * p.scale, dq[n][1] * p.scale);
+    *reinterpret_cast<uint32_t*>(dq_base + o1) = pack_bf16(dq[n][2] * p.scale, dq[n][3] * p.scale);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side
+// ---------------------------------------------------------------------------
+constexpr float kLog2e = 1.4426950408889634f;
+
+FineParams base_params(const VsaConfig& c) {
+  FineParams p{};
+  p.cube_tokens = c.tiling.cube_tokens;
+  p.block_tokens = c.tiling.block_tokens;
+  p.H = c.heads;
+  p.P = c.tiling.padded_len;
+  p.nc = c.tiling.num_cubes;
+  p.bpc = c.tiling.blocks_per_cube;
+  p.scale = c.softmax_scale > 0.0f ? c.softmax_scale : 1.0f / std::sqrt(static_cast<float>(kD));
+  p.c = p.scale * kLog2e;
+  return p;
+}
+
+dim3 block_grid(const VsaConfig& c) {
+  return dim3(static_cast<unsigned>(c.tiling.num_cubes * c.tiling.blocks_per_cube), static_cast<unsigned>(c.heads),
+              static_cast<unsigned>(c.batch));
+}
+
+template <typename Kernel>
+void set_smem(Kernel kernel, size_t bytes, const VsaConfig& c, const char* what) {
+  int device = 0;
+  VQAD_CUDA_CHECK(cudaGetDevice(&device));
+  int optin = 0;
+  VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  VQAD_CHECK(bytes <= static_cast<size_t>(optin), "vsa ", what, ": needs ", bytes,
+             " bytes of shared memory per block, the device allows ", optin, " (", detail::shape_str(c), ")");
+  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+}  // namespace
+
+void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
+                         const int32_t* sel_index, const int32_t* sel_count, void* o_tiled, void* o_hp_tiled,
+                         float* m, float* l, cudaStream_t stream) {
+  VQAD_CHECK(c.head_dim == kD, "vsa fine forward: head_dim must be ", kD, " (", detail::shape_str(c), ")");
+  VQAD_CHECK(tiled_q && tiled_k && tiled_v && sel_index && sel_count && o_tiled && o_hp_tiled && m && l,
+             "vsa fine forward: null buffer (", detail::shape_str(c), ")");
+  FineParams p = base_params(c);
+  p.q = static_cast<const bf16*>(tiled_q);
+  p.k = static_cast<const bf16*>(tiled_k);
+  p.v = static_cast<const bf16*>(tiled_v);
+  p.o = static_cast<bf16*>(o_tiled);
+  p.o_hp = static_cast<bf16*>(o_hp_tiled);
+  p.m = m;
+  p.l = l;
+  p.list_index = sel_index;
+  p.list_count = sel_count;
+  p.list_stride = c.topk;
+  const size_t smem = fwd_smem_bytes(c.topk * c.tiling.blocks_per_cube);
+  const bool qp = c.quantize && c.quant_p;
+  auto launch = [&](auto kernel) {
+    set_smem(kernel, smem, c, "fine forward");
+    kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
+    VQAD_CUDA_CHECK_LAUNCH("vsa fine_fwd_kernel");
+  };
+  if (qp) {
+    launch(fine_fwd_kernel<true>);
+  } else {
+    launch(fine_fwd_kernel<false>);
+  }
+}
+
+namespace detail {
+
+void launch_fine_stats(const VsaConfig& c, const void* d_o_tiled, const void* o_hp_tiled, const float* m,
+                       const float* l, void* stats, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(c.batch) * c.heads * c.tiling.padded_len;
+  VQAD_CHECK((rows + 7) / 8 <= 0x7fffffff, "vsa fine stats: too many rows (", shape_str(c), ")");
+  fine_stats_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
+      static_cast<const bf16*>(d_o_tiled), static_cast<const bf16*>(o_hp_tiled), m, l, c.tiling.block_tokens,
+      static_cast<float4*>(stats), rows, c.tiling.padded_len);
+  VQAD_CUDA_CHECK_LAUNCH("vsa fine_stats_kernel");
+}
+
+void launch_fine_dkdv(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
+                      const void* d_o_tiled, const void* stats, const int32_t* inv_index, const int32_t* inv_count,
+                      void* dk_tiled, void* dv_tiled, cudaStream_t stream) {
+  FineParams p = base_params(c);
+  p.q = static_cast<const bf16*>(tiled_q);
+  p.k = static_cast<const bf16*>(tiled_k);
+  p.v = static_cast<const bf16*>(tiled_v);
+  p.d_o = static_cast<const bf16*>(d_o_tiled);
+  p.stats = static_cast<const float4*>(stats);
+  p.o = static_cast<bf16*>(dk_tiled);
+  p.o_hp = static_cast<bf16*>(dv_tiled);
+  p.list_index = inv_index;
+  p.list_count = inv_count;
+  p.list_stride = c.tiling.num_cubes;
+  const size_t smem = dkdv_smem_bytes(c.tiling.num_cubes * c.tiling.blocks_per_cube);
+  auto launch = [&](auto kernel) {
+    set_smem(kernel, smem, c, "fine dK/dV");
+    kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
+    VQAD_CUDA_CHECK_LAUNCH("vsa fine_dkdv_kernel");
+  };
+  const AttnQatBwdPMode mode = !(c.quantize && c.quant_p) ? AttnQatBwdPMode::kNone
+                               : c.bwd_fastvideo          ? AttnQatBwdPMode::kFastVideo
+                                                          : AttnQatBwdPMode::kConsistent;
+  switch (mode) {
+    case AttnQatBwdPMode::kConsistent: launch(fine_dkdv_kernel<AttnQatBwdPMode::kConsistent>); break;
+    case AttnQatBwdPMode::kFastVideo: launch(fine_dkdv_kernel<AttnQatBwdPMode::kFastVideo>); break;
+    case AttnQatBwdPMode::kNone: launch(fine_dkdv_kernel<AttnQatBwdPMode::kNone>); break;
+  }
+}
+
+void launch_fine_dq(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
+                    const void* d_o_tiled, const void* stats, const int32_t* sel_index, const int32_t* sel_count,
+                    void* dq_tiled, cudaStream_t stream) {
+  FineParams p = base_params(c);
+  p.q = static_cast<const bf16*>(tiled_q);
+  p.k = static_cast<const bf16*>(tiled_k);
+  p.v = static_cast<const bf16*>(tiled_v);
+  p.d_o = static_cast<const bf16*>(d_o_tiled);
+  p.stats = static_cast<const float4*>(stats);
+  p.o = static_cast<bf16*>(dq_tiled);
+  p.list_index = sel_index;
+  p.list_count = sel_count;
+  p.list_stride = c.topk;
+  const size_t smem = dq_smem_bytes(c.topk * c.tiling.blocks_per_cube);
+  set_smem(fine_dq_kernel, smem, c, "fine dQ");
+  fine_dq_kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
+  VQAD_CUDA_CHECK_LAUNCH("vsa fine_dq_kernel");
+}
+
+}  // namespace detail
+}  // namespace vqad::kernels::vsa

@@ -1,0 +1,32 @@
+// Internal launchers of the VSA kernels, shared by vsa_fine.cu (fine stage) and
+// vsa_pipeline.cu (tiling, coarse stage, selection, combine, orchestration).
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "vqad/kernels/vsa/vsa_kernels.h"
+
+namespace vqad::kernels::vsa::detail {
+
+// "B=.. H=.. grid TxHxW L=.. cubes=.. P=.. topk=.." for error messages.
+std::string shape_str(const VsaConfig& c);
+
+// Row statistics of the backward, one float4 {m, 1/l, delta, 0} per tiled row (zeros for
+// padding rows); d_o_tiled and o_hp tiled BF16.
+void launch_fine_stats(const VsaConfig& c, const void* d_o_tiled, const void* o_hp_tiled,
+                       const float* m, const float* l, void* stats, cudaStream_t stream);
+// dK, dV (fine parts, tiled BF16) per KV block over the query cubes of the inverse lists
+// inv_index [B, H, nc, nc] / inv_count [B, H, nc].
+void launch_fine_dkdv(const VsaConfig& c, const void* tiled_q, const void* tiled_k,
+                      const void* tiled_v, const void* d_o_tiled, const void* stats,
+                      const int32_t* inv_index, const int32_t* inv_count, void* dk_tiled,
+                      void* dv_tiled, cudaStream_t stream);
+// dQ (fine part, tiled BF16) per query block over its selected KV cubes.
+void launch_fine_dq(const VsaConfig& c, const void* tiled_q, const void* tiled_k,
+                    const void* tiled_v, const void* d_o_tiled, const void* stats,
+                    const int32_t* sel_index, const int32_t* sel_count, void* dq_tiled,
+                    cudaStream_t stream);
+
+}  // namespace vqad::kernels::vsa::detail

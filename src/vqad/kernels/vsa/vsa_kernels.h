@@ -1,0 +1,135 @@
+// Launch interface of the VSA CUDA kernels (spec/attention.md "VSA"; the numerics are
+// numerics/vsa_ref.h's). Plain C++ (no torch): raw device pointers and a stream.
+//
+// Layouts:
+//   raster  BF16 [B, L, H, D] (BLHD) with element strides, d contiguous, rows 16-byte aligned;
+//   tiled   BF16 [B, H, padded_len, D] contiguous; slot s of (b, h) holds the token
+//           slot_to_token[s] (cube-major, vsa_ref.h "tiling"); padding slots hold zeros;
+//   coarse  FP32 [B, H, num_cubes, D] (bf16-valued means and out_c), [B, H, nc, nc] scores/probs;
+//   lists   INT32 [B, H, nc, max_kv] ascending KV cube indices (-1 past the count) + [B, H, nc] counts.
+//
+// Kernels (all deterministic: no floating-point atomics, fixed summation orders):
+//   tiling gather (+ NVFP4 fake quant of Q / K / V, bit-exact with fake_quant_qkv),
+//   coarse pooling, coarse scores + softmax + out_c, selection (top-k / top-p), the
+//   fine-stage forward over the lists (mma.sync m16n8k16, 64 query rows per CTA, one
+//   64-token physical KV block per step, empty blocks skipped, partial ones masked),
+//   the inverse (KV cube -> query cubes) lists, the fine-stage backward (dK/dV per KV
+//   block over the query cubes that selected it, dQ per query block over its list),
+//   the coarse backward and the gated combine / scatter back to raster order.
+// Errors (shapes, alignment, devices) throw vqad::Error naming the stage and the shape.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace vqad::kernels::vsa {
+
+// Tokens per physical block: the fine stage's BLOCK_M (query rows per CTA) and BLOCK_N.
+inline constexpr int kVsaBlockTokens = 64;
+// Visited physical blocks per running-max tile of the fine forward (vsa_ref Options::tile_blocks):
+// the kernel updates the row max, quantizes P in 16-key groups and accumulates once per
+// visited 64-key block, so the CPU reference must run with tile_blocks = 1.
+inline constexpr int kVsaTileBlocks = 1;
+// The only head dimension the kernels support.
+inline constexpr int kVsaHeadDim = 128;
+
+// Device copies of one vsa_ref::Tiling (int32).
+struct TilingDev {
+  int len = 0;              // L = T * H * W raster tokens
+  int num_cubes = 0;
+  int blocks_per_cube = 0;  // ceil(cube volume / 64)
+  int padded_len = 0;       // num_cubes * blocks_per_cube * 64
+  int max_cube_tokens = 0;  // largest cube_tokens entry (for messages and checks)
+  const int32_t* slot_to_token = nullptr;  // [padded_len], -1 for padding
+  const int32_t* token_to_slot = nullptr;  // [len]
+  const int32_t* cube_tokens = nullptr;    // [num_cubes]
+  const int32_t* block_tokens = nullptr;   // [num_cubes * blocks_per_cube]
+};
+
+struct RasterIn {  // BF16 [B, L, H, D], element strides
+  const void* p = nullptr;
+  int64_t sb = 0, sl = 0, sh = 0;
+};
+struct RasterOut {
+  void* p = nullptr;
+  int64_t sb = 0, sl = 0, sh = 0;
+};
+
+struct VsaConfig {
+  int batch = 0, heads = 0, head_dim = kVsaHeadDim;
+  int grid_t = 0, grid_h = 0, grid_w = 0;  // for messages
+  TilingDev tiling;
+  int topk = 1;            // effective_topk; also max_kv of the lists
+  bool top_p_mode = false;  // false: top-k
+  float top_p = 1.0f;
+  bool quantize = true;     // VSA_QAT_*: Q, K (and V when quant_v) fake-quantized, P per quant_p
+  bool quant_p = true;
+  bool quant_v = true;
+  bool bwd_fastvideo = false;  // BwdMode::kFastVideo (else consistent)
+  float softmax_scale = 0.0f;  // 0 -> 1/sqrt(D)
+};
+
+// Forward: inputs, the output, what the backward needs (caller-owned; lives until the
+// backward) and the scratch workspace (vsa_forward_workspace_bytes, 256-byte aligned).
+struct VsaForwardArgs {
+  RasterIn q, k, v;
+  RasterIn gate;       // gate.p == nullptr: zero gate
+  RasterOut o;         // BF16 [B, L, H, D]
+  // saved
+  void* tiled_q = nullptr;    // BF16 [B, H, P, D]: fine-stage operands (quantized for QAT)
+  void* tiled_k = nullptr;
+  void* tiled_v = nullptr;
+  void* o_fine_hp = nullptr;  // BF16 [B, H, P, D]: fine output on the unquantized-P path
+  float* m = nullptr;         // [B, H, P] (log2 domain; padding rows unspecified)
+  float* l = nullptr;         // [B, H, P]
+  int32_t* sel_index = nullptr;  // [B, H, nc, topk]
+  int32_t* sel_count = nullptr;  // [B, H, nc]
+  float* q_c = nullptr;  // [B, H, nc, D]
+  float* k_c = nullptr;
+  float* v_c = nullptr;
+  float* probs = nullptr;  // [B, H, nc, nc]
+  float* out_c = nullptr;  // [B, H, nc, D]
+  void* workspace = nullptr;
+};
+size_t vsa_forward_workspace_bytes(const VsaConfig& c);
+void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t stream);
+
+struct VsaBackwardArgs {
+  RasterIn gate;  // as in the forward (nullptr: zero gate)
+  RasterIn d_o;   // BF16 [B, L, H, D]
+  // saved by the forward
+  const void* tiled_q = nullptr;
+  const void* tiled_k = nullptr;
+  const void* tiled_v = nullptr;
+  const void* o_fine_hp = nullptr;
+  const float* m = nullptr;
+  const float* l = nullptr;
+  const int32_t* sel_index = nullptr;
+  const int32_t* sel_count = nullptr;
+  const float* q_c = nullptr;
+  const float* k_c = nullptr;
+  const float* v_c = nullptr;
+  const float* probs = nullptr;
+  const float* out_c = nullptr;
+  // outputs BF16 [B, L, H, D]; dgate.p may be null (not wanted)
+  RasterOut dq, dk, dv, dgate;
+  void* workspace = nullptr;  // vsa_backward_workspace_bytes, 256-byte aligned
+};
+size_t vsa_backward_workspace_bytes(const VsaConfig& c);
+void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t stream);
+
+// --- single stages (used by the pipeline above; exposed for tests and benches) ---------
+
+// Tiled BF16 copy of a raster tensor, padding slots zero; NVFP4 fake quantization with
+// unit scale per 16 channels when `quantize` (bit-exact with launch_fake_quant_qkv).
+void launch_tile(const VsaConfig& c, RasterIn src, void* dst_tiled, bool quantize, cudaStream_t stream);
+
+// Fine-stage forward over the lists: o (quantized-P path) and o_hp (BF16-P path; equal to
+// o without P quantization) tiled BF16, m and l [B, H, P]; rows of empty query blocks are
+// not written.
+void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* tiled_k,
+                         const void* tiled_v, const int32_t* sel_index, const int32_t* sel_count,
+                         void* o_tiled, void* o_hp_tiled, float* m, float* l, cudaStream_t stream);
+
+}  // namespace vqad::kernels::vsa

@@ -1,0 +1,667 @@
+// VSA pipeline (numerics/vsa_ref.h steps 1-5 and the backward): tiling gather with the
+// NVFP4 fake quantization of the fine-stage operands, coarse pooling, coarse scores /
+// softmax / out_c, top-k / top-p selection, the inverse lists, the gated combine and
+// the coarse backward, plus the orchestration of vsa_forward / vsa_backward.
+//
+// The small stages are plain fp32 CUDA code that follows the reference's summation
+// orders (sums over slots in slot order, dot products over d in order, row sums of the
+// softmax in index order, IEEE-rounded mul / add / div intrinsics so nvcc cannot contract
+// them), which keeps the coarse scores, and so the selection, equal to the reference's.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "vqad/core/error.h"
+#include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/vsa/vsa_internal.cuh"
+#include "vqad/kernels/vsa/vsa_kernels.h"
+
+namespace vqad::kernels::vsa {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kD = kVsaHeadDim;
+constexpr int kBT = kVsaBlockTokens;
+
+// --- NVFP4 fake quantization of 16 channels (launch_fake_quant_qkv's arithmetic) ---------
+using nvfp4_device::e2m1_rne_magnitude;
+using nvfp4_device::e4m3_rn_satfinite;
+__device__ __forceinline__ void fake_quantize16(float* x) {
+  float amax = 0.0f;
+  bool has_nan = false;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    has_nan |= (x[i] != x[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+  const float S = e4m3_rn_satfinite(__fdiv_rn(amax, 6.0f));
+  const float inv = __frcp_rn(S);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float y = copysignf(e2m1_rne_magnitude(fabsf(x[i]) * inv) * S, x[i]);
+    x[i] = has_nan ? __int_as_float(0x7fc00000) : (S == 0.0f ? 0.0f : y);
+  }
+}
+
+__device__ __forceinline__ void unpack8(const uint4& v, float* x) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(p[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float* y) {
+  uint4 out;
+  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(y[2 * i], y[2 * i + 1]);
+  return out;
+}
+__device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// One thread per (b, h, slot, 16-channel block); the tiled output is contiguous.
+__global__ void tile_kernel(const bf16* src, int64_t sb, int64_t sl, int64_t sh, bf16* dst,
+                            const int32_t* slot_to_token, int H, int P, int64_t total, bool quantize) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int db = static_cast<int>(idx % (kD / 16));
+    const int64_t rest = idx / (kD / 16);
+    const int slot = static_cast<int>(rest % P);
+    const int64_t bh = rest / P;
+    const int h = static_cast<int>(bh % H);
+    const int64_t b = bh / H;
+    const int tok = slot_to_token[slot];
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+    if (tok >= 0) {
+      const bf16* s = src + b * sb + static_cast<int64_t>(tok) * sl + h * sh + db * 16;
+      lo = __ldg(reinterpret_cast<const uint4*>(s));
+      hi = __ldg(reinterpret_cast<const uint4*>(s + 8));
+      if (quantize) {
+        float x[16];
+        unpack8(lo, x);
+        unpack8(hi, x + 8);
+        fake_quantize16(x);
+        lo = pack8(x);
+        hi = pack8(x + 8);
+      }
+    }
+    uint4* d = reinterpret_cast<uint4*>(dst + idx * 16);
+    d[0] = lo;
+    d[1] = hi;
+  }
+}
+
+// Coarse pooling, one thread per (b, h, cube, d): the fp32 sum over the cube's valid slots
+// in slot order. kMean: bf16(sum / count) of src; else the sum of src * mul (fp32).
+template <bool kMean>
+__global__ void pool_kernel(const bf16* src, int64_t sb, int64_t sl, int64_t sh, const bf16* mul,
+                            int64_t mb, int64_t ml, int64_t mh, const int32_t* slot_to_token,
+                            const int32_t* cube_tokens, int H, int nc, int cube_slots, float* out) {
+  const int cube = blockIdx.x, h = blockIdx.y, b = blockIdx.z, d = threadIdx.x;
+  const int n = cube_tokens[cube];
+  const int32_t* slots = slot_to_token + static_cast<int64_t>(cube) * cube_slots;
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const int64_t tok = slots[i];
+    const float x = __bfloat162float(src[b * sb + tok * sl + h * sh + d]);
+    if constexpr (kMean) {
+      sum = __fadd_rn(sum, x);
+    } else {
+      sum = __fadd_rn(sum, __fmul_rn(x, __bfloat162float(mul[b * mb + tok * ml + h * mh + d])));
+    }
+  }
+  const int64_t o = ((static_cast<int64_t>(b) * H + h) * nc + cube) * kD + d;
+  out[o] = kMean ? bf16r(__fdiv_rn(sum, static_cast<float>(n))) : sum;
+}
+
+// Scores and softmax of one query cube row, one block per (b, h, i).
+__global__ void coarse_scores_kernel(const float* q_c, const float* k_c, float* scores, float* probs, int H,
+                                     int nc, float scale) {
+  extern __shared__ float sh_e[];  // [nc]
+  __shared__ float s_red[32];
+  __shared__ float s_sum;
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int64_t bh = static_cast<int64_t>(b) * H + h;
+  const float* qi = q_c + (bh * nc + i) * kD;
+  const float* kb = k_c + bh * nc * kD;
+  float* srow = scores + (bh * nc + i) * nc;
+  float* prow = probs + (bh * nc + i) * nc;
+  float mx = -INFINITY;
+  for (int j = tid; j < nc; j += blockDim.x) {
+    const float* kj = kb + static_cast<int64_t>(j) * kD;
+    float dot = 0.0f;
+    for (int d = 0; d < kD; ++d) dot = __fadd_rn(dot, __fmul_rn(qi[d], kj[d]));
+    const float s = __fmul_rn(dot, scale);
+    srow[j] = s;
+    sh_e[j] = s;
+    mx = fmaxf(mx, s);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if ((tid & 31) == 0) s_red[tid >> 5] = mx;
+  __syncthreads();
+  if (tid == 0) {
+    float m = -INFINITY;
+    for (int w = 0; w < static_cast<int>(blockDim.x + 31) / 32; ++w) m = fmaxf(m, s_red[w]);
+    s_red[0] = m;
+  }
+  __syncthreads();
+  const float row_max = s_red[0];
+  for (int j = tid; j < nc; j += blockDim.x) sh_e[j] = expf(__fsub_rn(sh_e[j], row_max));
+  __syncthreads();
+  if (tid == 0) {
+    float sum = 0.0f;
+    for (int j = 0; j < nc; ++j) sum = __fadd_rn(sum, sh_e[j]);
+    s_sum = sum;
+  }
+  __syncthreads();
+  for (int j = tid; j < nc; j += blockDim.x) prow[j] = __fdiv_rn(sh_e[j], s_sum);
+}
+
+// out_c = bf16(probs . v_c), one thread per (b, h, i, d), sum over j in order.
+__global__ void coarse_out_kernel(const float* probs, const float* v_c, float* out_c, int H, int nc) {
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, d = threadIdx.x;
+  const int64_t bh = static_cast<int64_t>(b) * H + h;
+  const float* prow = probs + (bh * nc + i) * nc;
+  const float* vb = v_c + bh * nc * kD + d;
+  float acc = 0.0f;
+  for (int j = 0; j < nc; ++j) acc = __fadd_rn(acc, __fmul_rn(prow[j], vb[static_cast<int64_t>(j) * kD]));
+  out_c[(bh * nc + i) * kD + d] = bf16r(acc);
+}
+
+// Selection of one query cube row, one block per (b, h, i). rank_j counts the cubes
+// ahead of j (higher score, or equal score and lower index); top-k takes rank < topk,
+// top-p (only with top_p < 1) the first n ranks whose probabilities, summed in rank
+// order in fp32, reach top_p, 1 <= n <= topk. The list is written in ascending cube index, -1 past the count.
+__global__ void select_kernel(const float* scores, const float* probs, int32_t* sel_index, int32_t* sel_count,
+                              int H, int nc, int topk, bool top_p_mode, float top_p) {
+  extern __shared__ int sh_sel[];
+  float* s_row = reinterpret_cast<float*>(sh_sel);  // [nc]
+  int* s_rank = sh_sel + nc;                        // [nc]
+  int* s_sorted = sh_sel + 2 * nc;                  // [nc]
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int64_t row = (static_cast<int64_t>(b) * H + h) * nc + i;
+  for (int j = tid; j < nc; j += blockDim.x) {
+    const float x = scores[row * nc + j];
+    s_row[j] = x != x ? -INFINITY : x;  // NaN ranks as -inf, as the reference
+  }
+  __syncthreads();
+  for (int j = tid; j < nc; j += blockDim.x) {
+    const float sj = s_row[j];
+    int r = 0;
+    for (int k = 0; k < nc; ++k) {
+      const float sk = s_row[k];
+      r += (sk > sj || (sk == sj && k < j)) ? 1 : 0;
+    }
+    s_rank[j] = r;
+    s_sorted[r] = j;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int n = topk;
+    if (top_p_mode) {
+      const float* prow = probs + row * nc;
+      float cum = 0.0f;
+      n = 0;
+      for (int r = 0; r < topk; ++r) {
+        cum = __fadd_rn(cum, prow[s_sorted[r]]);
+        n = r + 1;
+        if (cum >= top_p) break;
+      }
+      n = n < 1 ? 1 : n;
+    }
+    int32_t* out = sel_index + row * topk;
+    int cnt = 0;
+    for (int j = 0; j < nc; ++j)
+      if (s_rank[j] < n) out[cnt++] = j;
+    for (int e = cnt; e < topk; ++e) out[e] = -1;
+    sel_count[row] = cnt;
+  }
+}
+
+// Transposed selection mask: mask_t[b, h, kv, qc] = 1 for every selected (qc, kv); the
+// mask is zeroed before. Row = (b * H + h) * nc + qc.
+__global__ void mask_kernel(const int32_t* sel_index, const int32_t* sel_count, uint8_t* mask_t, int64_t rows,
+                            int nc, int topk) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= rows) return;
+  const int64_t bh = row / nc;
+  const int qc = static_cast<int>(row % nc);
+  const int n = sel_count[row];
+  for (int e = threadIdx.x; e < n; e += blockDim.x)
+    mask_t[(bh * nc + sel_index[row * topk + e]) * nc + qc] = 1;
+}
+
+// Inverse lists, one warp per (b, h, kv cube): the query cubes that selected it,
+// ascending (ballot + prefix count over 32 query cubes at a time).
+__global__ void inverse_kernel(const uint8_t* mask_t, int32_t* inv_index, int32_t* inv_count, int64_t rows, int nc) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);  // bh * nc + kv
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const uint8_t* mrow = mask_t + row * nc;
+  int32_t* out = inv_index + row * nc;
+  int cnt = 0;
+  for (int base = 0; base < nc; base += 32) {
+    const int qc = base + lane;
+    const bool sel = qc < nc && mrow[qc] != 0;
+    const unsigned bits = __ballot_sync(0xffffffffu, sel);
+    if (sel) out[cnt + __popc(bits & ((1u << lane) - 1u))] = qc;
+    cnt += __popc(bits);
+  }
+  if (lane == 0) inv_count[row] = cnt;
+}
+
+// out = bf16(out_c * gate + o_fine), one thread per (b, token, h, 8 channels).
+__global__ void combine_kernel(const bf16* o_fine, const float* out_c, const bf16* gate, int64_t gb, int64_t gl,
+                               int64_t gh, bf16* o, int64_t ob, int64_t ol, int64_t oh, const int32_t* token_to_slot,
+                               int L, int H, int P, int nc, int cube_slots, int64_t total) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int ch = static_cast<int>(idx % (kD / 8));
+    int64_t rest = idx / (kD / 8);
+    const int h = static_cast<int>(rest % H);
+    rest /= H;
+    const int tok = static_cast<int>(rest % L);
+    const int64_t b = rest / L;
+    const int slot = token_to_slot[tok];
+    const int cube = slot / cube_slots;
+    const int64_t bh = b * H + h;
+    float f[8];
+    unpack8(*reinterpret_cast<const uint4*>(o_fine + (bh * P + slot) * kD + ch * 8), f);
+    if (gate != nullptr) {
+      float gv[8];
+      unpack8(__ldg(reinterpret_cast<const uint4*>(gate + b * gb + static_cast<int64_t>(tok) * gl + h * gh + ch * 8)),
+              gv);
+      const float* oc = out_c + (bh * nc + cube) * kD + ch * 8;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(__fmul_rn(oc[e], gv[e]), f[e]);
+    }
+    *reinterpret_cast<uint4*>(o + b * ob + static_cast<int64_t>(tok) * ol + h * oh + ch * 8) = pack8(f);
+  }
+}
+
+// Coarse backward of one query cube row i, one block per (b, h, i):
+// dprobs_ij = d_outc_i . v_c_j; ds_ij = probs_ij * (dprobs_ij - sum_k probs_ik dprobs_ik) * scale.
+__global__ void coarse_dscores_kernel(const float* d_outc, const float* v_c, const float* probs, float* dscores,
+                                      int H, int nc, float scale) {
+  extern __shared__ float sh_dp[];  // [nc]
+  __shared__ float s_dot;
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int64_t bh = static_cast<int64_t>(b) * H + h;
+  const float* gi = d_outc + (bh * nc + i) * kD;
+  const float* prow = probs + (bh * nc + i) * nc;
+  for (int j = tid; j < nc; j += blockDim.x) {
+    const float* vj = v_c + (bh * nc + j) * kD;
+    float dot = 0.0f;
+    for (int d = 0; d < kD; ++d) dot = __fadd_rn(dot, __fmul_rn(gi[d], vj[d]));
+    sh_dp[j] = dot;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float acc = 0.0f;
+    for (int j = 0; j < nc; ++j) acc = __fadd_rn(acc, __fmul_rn(prow[j], sh_dp[j]));
+    s_dot = acc;
+  }
+  __syncthreads();
+  float* drow = dscores + (bh * nc + i) * nc;
+  for (int j = tid; j < nc; j += blockDim.x) drow[j] = __fmul_rn(__fmul_rn(prow[j], __fsub_rn(sh_dp[j], s_dot)), scale);
+}
+
+// Cube-mean gradients, one thread per (b, h, cube c, d) (ds holds the scale):
+// dq_c[c] = sum_j ds[c][j] k_c[j]; dk_c[c] = sum_i ds[i][c] q_c[i];
+// dv_c[c] = sum_i probs[i][c] d_outc[i].
+__global__ void coarse_dqkv_kernel(const float* dscores, const float* probs, const float* q_c, const float* k_c,
+                                   const float* d_outc, float* dq_c, float* dk_c, float* dv_c, int H, int nc) {
+  const int cidx = blockIdx.x, h = blockIdx.y, b = blockIdx.z, d = threadIdx.x;
+  const int64_t bh = static_cast<int64_t>(b) * H + h;
+  const float* ds = dscores + bh * nc * nc;
+  const float* pr = probs + bh * nc * nc;
+  const float* qb = q_c + bh * nc * kD + d;
+  const float* kb = k_c + bh * nc * kD + d;
+  const float* gb = d_outc + bh * nc * kD + d;
+  float aq = 0.0f, ak = 0.0f, av = 0.0f;
+  for (int j = 0; j < nc; ++j) {
+    const int64_t jr = static_cast<int64_t>(j) * kD;
+    aq = __fadd_rn(aq, __fmul_rn(ds[static_cast<int64_t>(cidx) * nc + j], kb[jr]));
+    ak = __fadd_rn(ak, __fmul_rn(ds[static_cast<int64_t>(j) * nc + cidx], qb[jr]));
+    av = __fadd_rn(av, __fmul_rn(pr[static_cast<int64_t>(j) * nc + cidx], gb[jr]));
+  }
+  const int64_t o = (bh * nc + cidx) * kD + d;
+  dq_c[o] = aq;
+  dk_c[o] = ak;
+  dv_c[o] = av;
+}
+
+// Raster gradients, one thread per (b, token, h, 8 channels):
+// dX = bf16(dX_fine[slot] + dX_c[cube] / count) for X = q, k, v (no coarse term with a
+// zero gate); dgate = bf16(d_o * out_c[cube]).
+struct UntileArgs {
+  const bf16* dq_f;
+  const bf16* dk_f;
+  const bf16* dv_f;
+  const float* dq_c;
+  const float* dk_c;
+  const float* dv_c;  // null: zero gate (no coarse term)
+  const bf16* d_o;
+  int64_t db_, dl_, dh_;
+  const float* out_c;
+  bf16* dq;
+  bf16* dk;
+  bf16* dv;
+  bf16* dgate;  // may be null
+  int64_t qb_, ql_, qh_, kb_, kl_, kh_, vb_, vl_, vh_, gb_, gl_, gh_;
+  const int32_t* token_to_slot;
+  const int32_t* cube_tokens;
+  int L, H, P, nc, cube_slots;
+  int64_t total;
+};
+
+__global__ void untile_grads_kernel(const UntileArgs a) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < a.total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int ch = static_cast<int>(idx % (kD / 8));
+    int64_t rest = idx / (kD / 8);
+    const int h = static_cast<int>(rest % a.H);
+    rest /= a.H;
+    const int tok = static_cast<int>(rest % a.L);
+    const int64_t b = rest / a.L;
+    const int slot = a.token_to_slot[tok];
+    const int cube = slot / a.cube_slots;
+    const int64_t bh = b * a.H + h;
+    const int64_t trow = (bh * a.P + slot) * kD + ch * 8;
+    const int64_t crow = (bh * a.nc + cube) * kD + ch * 8;
+    const float cnt = static_cast<float>(a.cube_tokens[cube]);
+    const bf16* fine[3] = {a.dq_f, a.dk_f, a.dv_f};
+    const float* coarse[3] = {a.dq_c, a.dk_c, a.dv_c};
+    bf16* outs[3] = {a.dq, a.dk, a.dv};
+    const int64_t ob[3] = {a.qb_, a.kb_, a.vb_}, ol[3] = {a.ql_, a.kl_, a.vl_}, oh[3] = {a.qh_, a.kh_, a.vh_};
+#pragma unroll
+    for (int x = 0; x < 3; ++x) {
+      float f[8];
+      unpack8(*reinterpret_cast<const uint4*>(fine[x] + trow), f);
+      if (a.dv_c != nullptr) {
+        const float* cr = coarse[x] + crow;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(f[e], __fdiv_rn(cr[e], cnt));
+      }
+      *reinterpret_cast<uint4*>(outs[x] + b * ob[x] + static_cast<int64_t>(tok) * ol[x] + h * oh[x] + ch * 8) =
+          pack8(f);
+    }
+    if (a.dgate != nullptr) {
+      float g[8];
+      unpack8(__ldg(reinterpret_cast<const uint4*>(a.d_o + b * a.db_ + static_cast<int64_t>(tok) * a.dl_ + h * a.dh_ +
+                                                   ch * 8)),
+              g);
+      const float* oc = a.out_c + crow;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) g[e] = __fmul_rn(g[e], oc[e]);
+      *reinterpret_cast<uint4*>(a.dgate + b * a.gb_ + static_cast<int64_t>(tok) * a.gl_ + h * a.gh_ + ch * 8) =
+          pack8(g);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host helpers
+// ---------------------------------------------------------------------------
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+struct Sizes {
+  int64_t bh, P, nc, L;
+  size_t tiled_bf16, tiled_rows, coarse, square;
+};
+Sizes sizes_of(const VsaConfig& c) {
+  Sizes s{};
+  s.bh = static_cast<int64_t>(c.batch) * c.heads;
+  s.P = c.tiling.padded_len;
+  s.nc = c.tiling.num_cubes;
+  s.L = c.tiling.len;
+  s.tiled_bf16 = static_cast<size_t>(s.bh) * s.P * kD * 2;
+  s.tiled_rows = static_cast<size_t>(s.bh) * s.P;
+  s.coarse = static_cast<size_t>(s.bh) * s.nc * kD * 4;
+  s.square = static_cast<size_t>(s.bh) * s.nc * s.nc;
+  return s;
+}
+
+unsigned grid_for(int64_t total, int threads) {
+  int64_t g = (total + threads - 1) / threads;
+  if (g > 65535LL * 64) g = 65535LL * 64;  // grid-stride beyond this
+  return static_cast<unsigned>(g < 1 ? 1 : g);
+}
+
+float resolved_scale(const VsaConfig& c) {
+  return c.softmax_scale > 0.0f ? c.softmax_scale : 1.0f / std::sqrt(static_cast<float>(kD));
+}
+
+void check_raster(const char* name, const void* p, int64_t sb, int64_t sl, int64_t sh, const VsaConfig& c) {
+  VQAD_CHECK(p != nullptr, "vsa: tensor ", name, " is null (", detail::shape_str(c), ")");
+  VQAD_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "vsa: tensor ", name,
+             " must be 16-byte aligned, found address ", p, " (", detail::shape_str(c), ")");
+  VQAD_CHECK(sb % 8 == 0 && sl % 8 == 0 && sh % 8 == 0 && sb >= 0 && sl >= 0 && sh >= 0, "vsa: tensor ", name,
+             " strides (b, l, h) must be non-negative multiples of 8 elements, found (", sb, ", ", sl, ", ", sh,
+             ") (", detail::shape_str(c), ")");
+}
+
+void check_config(const VsaConfig& c) {
+  const TilingDev& t = c.tiling;
+  VQAD_CHECK(c.head_dim == kD, "vsa: the CUDA kernels need head_dim ", kD, ", found ", c.head_dim, " (",
+             detail::shape_str(c), ")");
+  VQAD_CHECK(c.batch >= 1 && c.heads >= 1 && c.batch <= 65535 && c.heads <= 65535,
+             "vsa: batch and heads must be in [1, 65535] (", detail::shape_str(c), ")");
+  VQAD_CHECK(t.len >= 1 && t.num_cubes >= 1 && t.blocks_per_cube >= 1 &&
+                 t.padded_len == t.num_cubes * t.blocks_per_cube * kBT,
+             "vsa: inconsistent tiling (", detail::shape_str(c), ")");
+  VQAD_CHECK(t.num_cubes * t.blocks_per_cube <= 0x7fffffff / kBT, "vsa: too many cubes (", detail::shape_str(c), ")");
+  VQAD_CHECK(t.slot_to_token && t.token_to_slot && t.cube_tokens && t.block_tokens,
+             "vsa: tiling tables must be on the device (", detail::shape_str(c), ")");
+  VQAD_CHECK(c.topk >= 1 && c.topk <= t.num_cubes, "vsa: topk must be in [1, num_cubes], found ", c.topk, " (",
+             detail::shape_str(c), ")");
+  VQAD_CHECK(static_cast<int64_t>(c.batch) * c.heads * t.num_cubes <= 0x7fffffff,
+             "vsa: too many (batch, head, cube) rows (", detail::shape_str(c), ")");
+}
+
+template <typename T>
+T* carve(uint8_t*& cur, size_t bytes) {
+  T* p = reinterpret_cast<T*>(cur);
+  cur += align256(bytes);
+  return p;
+}
+
+}  // namespace
+
+namespace detail {
+std::string shape_str(const VsaConfig& c) {
+  return "B=" + std::to_string(c.batch) + " H=" + std::to_string(c.heads) + " D=" + std::to_string(c.head_dim) +
+         " grid " + std::to_string(c.grid_t) + "x" + std::to_string(c.grid_h) + "x" + std::to_string(c.grid_w) +
+         " L=" + std::to_string(c.tiling.len) + " cubes=" + std::to_string(c.tiling.num_cubes) +
+         " padded_len=" + std::to_string(c.tiling.padded_len) + " topk=" + std::to_string(c.topk);
+}
+}  // namespace detail
+
+void launch_tile(const VsaConfig& c, RasterIn src, void* dst_tiled, bool quantize, cudaStream_t stream) {
+  check_raster("tile source", src.p, src.sb, src.sl, src.sh, c);
+  VQAD_CHECK(dst_tiled != nullptr && reinterpret_cast<uintptr_t>(dst_tiled) % 16 == 0,
+             "vsa tile: destination must be a 16-byte aligned buffer (", detail::shape_str(c), ")");
+  const int64_t total = static_cast<int64_t>(c.batch) * c.heads * c.tiling.padded_len * (kD / 16);
+  tile_kernel<<<grid_for(total, 256), 256, 0, stream>>>(static_cast<const bf16*>(src.p), src.sb, src.sl, src.sh,
+                                                        static_cast<bf16*>(dst_tiled), c.tiling.slot_to_token,
+                                                        c.heads, c.tiling.padded_len, total, quantize);
+  VQAD_CUDA_CHECK_LAUNCH("vsa tile_kernel");
+}
+
+size_t vsa_forward_workspace_bytes(const VsaConfig& c) {
+  const Sizes s = sizes_of(c);
+  return align256(s.tiled_bf16) + align256(s.square * 4);
+}
+
+void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t stream) {
+  check_config(c);
+  check_raster("q", a.q.p, a.q.sb, a.q.sl, a.q.sh, c);
+  check_raster("k", a.k.p, a.k.sb, a.k.sl, a.k.sh, c);
+  check_raster("v", a.v.p, a.v.sb, a.v.sl, a.v.sh, c);
+  if (a.gate.p != nullptr) check_raster("gate", a.gate.p, a.gate.sb, a.gate.sl, a.gate.sh, c);
+  check_raster("o", a.o.p, a.o.sb, a.o.sl, a.o.sh, c);
+  VQAD_CHECK(a.tiled_q && a.tiled_k && a.tiled_v && a.o_fine_hp && a.m && a.l && a.sel_index && a.sel_count &&
+                 a.q_c && a.k_c && a.v_c && a.probs && a.out_c,
+             "vsa forward: a saved buffer is null (", detail::shape_str(c), ")");
+  VQAD_CHECK(a.workspace != nullptr && reinterpret_cast<uintptr_t>(a.workspace) % 256 == 0,
+             "vsa forward: a 256-byte aligned workspace of ", vsa_forward_workspace_bytes(c),
+             " bytes is required (", detail::shape_str(c), ")");
+  const Sizes s = sizes_of(c);
+  uint8_t* cur = static_cast<uint8_t*>(a.workspace);
+  void* o_fine = carve<uint8_t>(cur, s.tiled_bf16);
+  float* scores = carve<float>(cur, s.square * 4);
+  const int H = c.heads, nc = c.tiling.num_cubes;
+  const int cube_slots = c.tiling.blocks_per_cube * kBT;
+  const dim3 cube_grid(static_cast<unsigned>(nc), static_cast<unsigned>(H), static_cast<unsigned>(c.batch));
+
+  // 1. tiling (+ fake quant of the fine-stage operands)
+  launch_tile(c, a.q, a.tiled_q, c.quantize, stream);
+  launch_tile(c, a.k, a.tiled_k, c.quantize, stream);
+  launch_tile(c, a.v, a.tiled_v, c.quantize && c.quant_v, stream);
+  // 2. coarse stage on the unquantized inputs
+  const RasterIn* srcs[3] = {&a.q, &a.k, &a.v};
+  float* means[3] = {a.q_c, a.k_c, a.v_c};
+  for (int x = 0; x < 3; ++x) {
+    const RasterIn& r = *srcs[x];
+    pool_kernel<true><<<cube_grid, kD, 0, stream>>>(static_cast<const bf16*>(r.p), r.sb, r.sl, r.sh, nullptr, 0, 0,
+                                                     0, c.tiling.slot_to_token, c.tiling.cube_tokens, H, nc,
+                                                     cube_slots, means[x]);
+    VQAD_CUDA_CHECK_LAUNCH("vsa pool_kernel");
+  }
+  coarse_scores_kernel<<<cube_grid, 256, static_cast<size_t>(nc) * 4, stream>>>(a.q_c, a.k_c, scores, a.probs, H,
+                                                                                nc, resolved_scale(c));
+  VQAD_CUDA_CHECK_LAUNCH("vsa coarse_scores_kernel");
+  coarse_out_kernel<<<cube_grid, kD, 0, stream>>>(a.probs, a.v_c, a.out_c, H, nc);
+  VQAD_CUDA_CHECK_LAUNCH("vsa coarse_out_kernel");
+  // 3. selection
+  {
+    const size_t smem = static_cast<size_t>(nc) * 12;
+    VQAD_CHECK(smem <= 48 * 1024, "vsa selection: ", nc, " cubes need ", smem,
+               " bytes of shared memory, more than 48 KiB (", detail::shape_str(c), ")");
+    select_kernel<<<cube_grid, 256, smem, stream>>>(scores, a.probs, a.sel_index, a.sel_count, H, nc, c.topk,
+                                                    c.top_p_mode && c.top_p < 1.0f, c.top_p);
+    VQAD_CUDA_CHECK_LAUNCH("vsa select_kernel");
+  }
+  // 4. fine stage (o_fine: quantized-P path; o_fine_hp saved)
+  launch_fine_forward(c, a.tiled_q, a.tiled_k, a.tiled_v, a.sel_index, a.sel_count, o_fine, a.o_fine_hp, a.m, a.l,
+                      stream);
+  // 5. out = bf16(out_c * gate + o_fine)
+  const int64_t total = static_cast<int64_t>(c.batch) * c.tiling.len * H * (kD / 8);
+  combine_kernel<<<grid_for(total, 256), 256, 0, stream>>>(
+      static_cast<const bf16*>(o_fine), a.out_c, static_cast<const bf16*>(a.gate.p), a.gate.sb, a.gate.sl,
+      a.gate.sh, static_cast<bf16*>(a.o.p), a.o.sb, a.o.sl, a.o.sh, c.tiling.token_to_slot, c.tiling.len, H,
+      c.tiling.padded_len, nc, cube_slots, total);
+  VQAD_CUDA_CHECK_LAUNCH("vsa combine_kernel");
+}
+
+size_t vsa_backward_workspace_bytes(const VsaConfig& c) {
+  const Sizes s = sizes_of(c);
+  return 4 * align256(s.tiled_bf16) + align256(s.tiled_rows * 16) + align256(s.square) + align256(s.square * 4) +
+         align256(static_cast<size_t>(s.bh) * s.nc * 4) + 4 * align256(s.coarse) + align256(s.square * 4);
+}
+
+void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t stream) {
+  check_config(c);
+  check_raster("d_o", a.d_o.p, a.d_o.sb, a.d_o.sl, a.d_o.sh, c);
+  if (a.gate.p != nullptr) check_raster("gate", a.gate.p, a.gate.sb, a.gate.sl, a.gate.sh, c);
+  check_raster("dq", a.dq.p, a.dq.sb, a.dq.sl, a.dq.sh, c);
+  check_raster("dk", a.dk.p, a.dk.sb, a.dk.sl, a.dk.sh, c);
+  check_raster("dv", a.dv.p, a.dv.sb, a.dv.sl, a.dv.sh, c);
+  if (a.dgate.p != nullptr) check_raster("dgate", a.dgate.p, a.dgate.sb, a.dgate.sl, a.dgate.sh, c);
+  VQAD_CHECK(a.tiled_q && a.tiled_k && a.tiled_v && a.o_fine_hp && a.m && a.l && a.sel_index && a.sel_count &&
+                 a.q_c && a.k_c && a.v_c && a.probs && a.out_c,
+             "vsa backward: a saved buffer is null (", detail::shape_str(c), ")");
+  VQAD_CHECK(a.workspace != nullptr && reinterpret_cast<uintptr_t>(a.workspace) % 256 == 0,
+             "vsa backward: a 256-byte aligned workspace of ", vsa_backward_workspace_bytes(c),
+             " bytes is required (", detail::shape_str(c), ")");
+  const Sizes s = sizes_of(c);
+  uint8_t* cur = static_cast<uint8_t*>(a.workspace);
+  void* d_o_t = carve<uint8_t>(cur, s.tiled_bf16);
+  void* dq_f = carve<uint8_t>(cur, s.tiled_bf16);
+  void* dk_f = carve<uint8_t>(cur, s.tiled_bf16);
+  void* dv_f = carve<uint8_t>(cur, s.tiled_bf16);
+  void* stats = carve<uint8_t>(cur, s.tiled_rows * 16);
+  uint8_t* mask = carve<uint8_t>(cur, s.square);
+  int32_t* inv_index = carve<int32_t>(cur, s.square * 4);
+  int32_t* inv_count = carve<int32_t>(cur, static_cast<size_t>(s.bh) * s.nc * 4);
+  float* d_outc = carve<float>(cur, s.coarse);
+  float* dq_c = carve<float>(cur, s.coarse);
+  float* dk_c = carve<float>(cur, s.coarse);
+  float* dv_c = carve<float>(cur, s.coarse);
+  float* dscores = carve<float>(cur, s.square * 4);
+  const int H = c.heads, nc = c.tiling.num_cubes;
+  const int cube_slots = c.tiling.blocks_per_cube * kBT;
+  const dim3 cube_grid(static_cast<unsigned>(nc), static_cast<unsigned>(H), static_cast<unsigned>(c.batch));
+
+  // Fine stage: dO tiled, row statistics, dQ over the lists, dK / dV over the inverse lists.
+  launch_tile(c, a.d_o, d_o_t, false, stream);
+  detail::launch_fine_stats(c, d_o_t, a.o_fine_hp, a.m, a.l, stats, stream);
+  detail::launch_fine_dq(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, a.sel_index, a.sel_count, dq_f, stream);
+  VQAD_CUDA_CHECK(cudaMemsetAsync(mask, 0, s.square, stream));
+  {
+    const int64_t rows = s.bh * s.nc;
+    const dim3 block(32, 8);
+    mask_kernel<<<static_cast<unsigned>((rows + 7) / 8), block, 0, stream>>>(a.sel_index, a.sel_count, mask, rows, nc,
+                                                                          c.topk);
+    VQAD_CUDA_CHECK_LAUNCH("vsa mask_kernel");
+    inverse_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(mask, inv_index, inv_count, rows, nc);
+    VQAD_CUDA_CHECK_LAUNCH("vsa inverse_kernel");
+  }
+  detail::launch_fine_dkdv(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, inv_index, inv_count, dk_f, dv_f,
+                           stream);
+
+  // Coarse stage (only with a gate: a zero gate gives out_c no gradient).
+  const bool has_gate = a.gate.p != nullptr;
+  if (has_gate) {
+    pool_kernel<false><<<cube_grid, kD, 0, stream>>>(
+        static_cast<const bf16*>(a.d_o.p), a.d_o.sb, a.d_o.sl, a.d_o.sh, static_cast<const bf16*>(a.gate.p),
+        a.gate.sb, a.gate.sl, a.gate.sh, c.tiling.slot_to_token, c.tiling.cube_tokens, H, nc, cube_slots, d_outc);
+    VQAD_CUDA_CHECK_LAUNCH("vsa pool_kernel (d out_c)");
+    coarse_dscores_kernel<<<cube_grid, 256, static_cast<size_t>(nc) * 4, stream>>>(d_outc, a.v_c, a.probs, dscores,
+                                                                                   H, nc, resolved_scale(c));
+    VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dscores_kernel");
+    coarse_dqkv_kernel<<<cube_grid, kD, 0, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc, dq_c, dk_c, dv_c, H,
+                                                     nc);
+    VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dqkv_kernel");
+  }
+
+  UntileArgs u{};
+  u.dq_f = static_cast<const bf16*>(dq_f);
+  u.dk_f = static_cast<const bf16*>(dk_f);
+  u.dv_f = static_cast<const bf16*>(dv_f);
+  u.dq_c = has_gate ? dq_c : nullptr;
+  u.dk_c = has_gate ? dk_c : nullptr;
+  u.dv_c = has_gate ? dv_c : nullptr;
+  u.d_o = static_cast<const bf16*>(a.d_o.p);
+  u.db_ = a.d_o.sb, u.dl_ = a.d_o.sl, u.dh_ = a.d_o.sh;
+  u.out_c = a.out_c;
+  u.dq = static_cast<bf16*>(a.dq.p);
+  u.dk = static_cast<bf16*>(a.dk.p);
+  u.dv = static_cast<bf16*>(a.dv.p);
+  u.dgate = static_cast<bf16*>(a.dgate.p);
+  u.qb_ = a.dq.sb, u.ql_ = a.dq.sl, u.qh_ = a.dq.sh;
+  u.kb_ = a.dk.sb, u.kl_ = a.dk.sl, u.kh_ = a.dk.sh;
+  u.vb_ = a.dv.sb, u.vl_ = a.dv.sl, u.vh_ = a.dv.sh;
+  u.gb_ = a.dgate.sb, u.gl_ = a.dgate.sl, u.gh_ = a.dgate.sh;
+  u.token_to_slot = c.tiling.token_to_slot;
+  u.cube_tokens = c.tiling.cube_tokens;
+  u.L = c.tiling.len;
+  u.H = H;
+  u.P = c.tiling.padded_len;
+  u.nc = nc;
+  u.cube_slots = cube_slots;
+  u.total = static_cast<int64_t>(c.batch) * c.tiling.len * H * (kD / 8);
+  untile_grads_kernel<<<grid_for(u.total, 256), 256, 0, stream>>>(u);
+  VQAD_CUDA_CHECK_LAUNCH("vsa untile_grads_kernel");
+}
+
+}  // namespace vqad::kernels::vsa

@@ -1,0 +1,527 @@
+// VSA CUDA pipeline (kernels/vsa/vsa_kernels.h) against the CPU reference
+// (numerics/vsa_ref.h) run with the kernels' tile_blocks, on fresh random inputs:
+// coarse means (bitwise), selection lists (equal, or differing only at a score tie within
+// rounding), O, dQ, dK, dV, dgate within a tolerance derived from the measured BF16
+// noise floor of each output, NaN-poisoned outputs fully written, sentinel gaps between
+// heads and past the end untouched, ragged grids (partial cubes in t, h and w), both
+// cube shapes, B > 1, H > 1, both backward modes, BF16 mode, and bitwise determinism
+// across two runs. Every failure prints the largest errors and the first bad index.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "vqad/core/error.h"
+#include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/device.h"
+#include "vqad/kernels/vsa/vsa_kernels.h"
+#include "vqad/numerics/attention_qat_ref.h"
+#include "vqad/numerics/vsa_ref.h"
+
+namespace {
+
+namespace kv = vqad::kernels::vsa;
+namespace vr = vqad::vsa_ref;
+namespace aq = vqad::attn_qat_ref;
+constexpr int kD = kv::kVsaHeadDim;
+
+uint16_t bf16_bits(float x) {
+  const float r = aq::bf16_round(x);
+  uint32_t u;
+  std::memcpy(&u, &r, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+struct DevBuf {
+  T* ptr = nullptr;
+  size_t n = 0;
+  DevBuf(size_t count, uint8_t fill) : n(count) {
+    VQAD_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)));
+    VQAD_CUDA_CHECK(cudaMemset(ptr, fill, std::max<size_t>(n, 1) * sizeof(T)));
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() { cudaFree(ptr); }
+  void upload(const std::vector<T>& h) {
+    VQAD_CUDA_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    VQAD_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+struct Case {
+  const char* name;
+  int B, H, T, Hg, W;
+  vr::CubeShape cube;
+  double sparsity;
+  vr::Selection selection = vr::Selection::kTopK;
+  double top_p = 1.0;
+  bool quantize = true, quant_p = true, quant_v = true;
+  aq::BwdMode bwd = aq::BwdMode::kConsistent;
+  bool gate = true;
+  uint32_t seed = 1;
+};
+
+std::string describe(const Case& c) {
+  std::ostringstream os;
+  os << c.name << " B=" << c.B << " H=" << c.H << " grid " << c.T << "x" << c.Hg << "x" << c.W << " cube "
+     << c.cube.t << "x" << c.cube.h << "x" << c.cube.w << " sparsity " << c.sparsity
+     << (c.selection == vr::Selection::kTopP ? " top-p " : " top-k ") << c.top_p
+     << (c.quantize ? " QAT" : " BF16") << (c.quant_p ? "" : " no-quant-p") << (c.quant_v ? "" : " no-quant-v")
+     << " bwd " << aq::bwd_mode_name(c.bwd) << (c.gate ? " gate" : " no-gate");
+  return os.str();
+}
+
+// Outputs in raster BLHD order, as bf16 bits, with a gap of kGap elements after every
+// head row and kTail elements past the end, all poisoned with 0xFF bytes (NaN).
+constexpr int kGap = 8;
+constexpr int kTail = 64;
+struct RasterBuf {
+  int64_t B, L, H, sh, sl, sb;
+  DevBuf<uint16_t> buf;
+  RasterBuf(int64_t b, int64_t l, int64_t h)
+      : B(b), L(l), H(h), sh(kD + kGap), sl(h * (kD + kGap)), sb(l * h * (kD + kGap)),
+        buf(static_cast<size_t>(b * l * h * (kD + kGap) + kTail), 0xFF) {}
+  kv::RasterOut out() { return kv::RasterOut{buf.ptr, sb, sl, sh}; }
+  // Values [B, L, H, D] and whether every gap / tail element still holds the poison.
+  std::vector<float> values(bool* sentinels_ok) const {
+    const std::vector<uint16_t> h = buf.download();
+    std::vector<float> v(static_cast<size_t>(B * L * H * kD));
+    bool ok = true;
+    for (int64_t r = 0; r < B * L * H; ++r) {
+      for (int d = 0; d < kD; ++d) v[r * kD + d] = bf16_value(h[r * (kD + kGap) + d]);
+      for (int d = kD; d < kD + kGap; ++d) ok &= h[r * (kD + kGap) + d] == 0xFFFF;
+    }
+    for (int64_t i = B * L * H * (kD + kGap); i < static_cast<int64_t>(h.size()); ++i) ok &= h[i] == 0xFFFF;
+    *sentinels_ok = ok;
+    return v;
+  }
+  std::vector<uint16_t> bits() const { return buf.download(); }
+};
+
+struct Compare {
+  double rel = 0, floor = 0, max_abs = 0;
+  int64_t worst = -1, first_nan = -1;
+};
+// rel_l2(got, want); floor = rel_l2(bf16(want), want), the error of one bf16 rounding of
+// the (unrounded, fp32) reference output.
+Compare compare(const std::vector<float>& got, const std::vector<float>& want) {
+  Compare c;
+  double num = 0, den = 0, fl = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) {
+      if (c.first_nan < 0) c.first_nan = static_cast<int64_t>(i);
+      continue;
+    }
+    const double d = static_cast<double>(got[i]) - want[i];
+    const double r = static_cast<double>(aq::bf16_round(want[i])) - want[i];
+    num += d * d;
+    fl += r * r;
+    den += static_cast<double>(want[i]) * want[i];
+    if (std::fabs(d) > c.max_abs) c.max_abs = std::fabs(d), c.worst = static_cast<int64_t>(i);
+  }
+  c.rel = std::sqrt(num / std::max(den, 1e-30));
+  c.floor = std::sqrt(fl / std::max(den, 1e-30));
+  return c;
+}
+
+std::string where(int64_t i, int64_t L, int64_t H) {
+  if (i < 0) return "-";
+  std::ostringstream os;
+  const int64_t d = i % kD, h = (i / kD) % H, l = (i / kD / H) % L, b = i / kD / H / L;
+  os << "(b=" << b << ", l=" << l << ", h=" << h << ", d=" << d << ")";
+  return os.str();
+}
+
+// The tolerance: the fine stage accumulates in another order (mma vs. the reference's
+// 8-lane dot products), uses the hardware exp2 and rounds P to bf16 per element, and
+// with NVFP4 P an element next to a rounding boundary can move by one E2M1 step; a
+// small multiple of the BF16 noise floor of the output bounds all of that on random
+// inputs (the dense ATTN_QAT_TRAIN tests allow ~1e-2, about 8x that floor).
+constexpr double kFloorMultiple = 8.0;
+
+void expect_close(const char* what, const std::vector<float>& got, const std::vector<float>& want, int64_t L,
+                  int64_t H, const std::string& ctx) {
+  const Compare c = compare(got, want);
+  const double tol = kFloorMultiple * std::max(c.floor, 1e-4);
+  std::printf("  %-6s rel_l2 %.3e  floor %.3e  tol %.3e  max_abs %.3e at %s\n", what, c.rel, c.floor, tol,
+              c.max_abs, where(c.worst, L, H).c_str());
+  EXPECT_LT(c.first_nan, 0) << what << ": element " << where(c.first_nan, L, H)
+                            << " is not finite (unwritten or NaN) in " << ctx;
+  EXPECT_LE(c.rel, tol) << what << ": rel_l2 " << c.rel << " > " << tol << " (floor " << c.floor << "), worst "
+                        << where(c.worst, L, H) << " got " << (c.worst >= 0 ? got[c.worst] : 0.0f) << " want "
+                        << (c.worst >= 0 ? want[c.worst] : 0.0f) << " in " << ctx;
+}
+
+struct GpuResult {
+  std::vector<uint16_t> o, dq, dk, dv, dgate;
+  std::vector<float> o_v, dq_v, dk_v, dv_v, dgate_v;
+  std::vector<float> q_c, k_c, v_c, probs, out_c;
+  vr::SelectionLists sel;
+  bool sentinels_ok = true;
+};
+
+std::vector<int32_t> i32(const std::vector<int64_t>& v) {
+  std::vector<int32_t> r(v.size());
+  for (size_t i = 0; i < v.size(); ++i) r[i] = static_cast<int32_t>(v[i]);
+  return r;
+}
+
+GpuResult run_gpu(const Case& cs, const vr::Tiling& t, const std::vector<float>& q, const std::vector<float>& k,
+                  const std::vector<float>& v, const std::vector<float>& gate, const std::vector<float>& d_o,
+                  int64_t topk) {
+  const int64_t B = cs.B, H = cs.H, L = t.num_tokens(), P = t.padded_len, nc = t.num_cubes;
+  DevBuf<int32_t> s2t(static_cast<size_t>(P), 0), t2s(static_cast<size_t>(L), 0), ct(static_cast<size_t>(nc), 0),
+      bt(t.block_tokens.size(), 0);
+  s2t.upload(i32(t.slot_to_token));
+  t2s.upload(i32(t.token_to_slot));
+  ct.upload(t.cube_tokens);
+  bt.upload(t.block_tokens);
+  kv::VsaConfig c;
+  c.batch = cs.B;
+  c.heads = cs.H;
+  c.head_dim = kD;
+  c.grid_t = cs.T, c.grid_h = cs.Hg, c.grid_w = cs.W;
+  c.tiling.len = static_cast<int>(L);
+  c.tiling.num_cubes = static_cast<int>(nc);
+  c.tiling.blocks_per_cube = static_cast<int>(t.blocks_per_cube);
+  c.tiling.padded_len = static_cast<int>(P);
+  c.tiling.max_cube_tokens = *std::max_element(t.cube_tokens.begin(), t.cube_tokens.end());
+  c.tiling.slot_to_token = s2t.ptr;
+  c.tiling.token_to_slot = t2s.ptr;
+  c.tiling.cube_tokens = ct.ptr;
+  c.tiling.block_tokens = bt.ptr;
+  c.topk = static_cast<int>(topk);
+  c.top_p_mode = cs.selection == vr::Selection::kTopP && cs.top_p < 1.0;
+  c.top_p = static_cast<float>(cs.top_p);
+  c.quantize = cs.quantize;
+  c.quant_p = cs.quant_p;
+  c.quant_v = cs.quant_v;
+  c.bwd_fastvideo = cs.bwd == aq::BwdMode::kFastVideo;
+
+  auto upload_bits = [](const std::vector<float>& x) {
+    std::vector<uint16_t> b(x.size());
+    for (size_t i = 0; i < x.size(); ++i) b[i] = bf16_bits(x[i]);
+    return b;
+  };
+  const size_t n = static_cast<size_t>(B * L * H * kD);
+  DevBuf<uint16_t> dq_in(n, 0), dk_in(n, 0), dv_in(n, 0), dgate_in(cs.gate ? n : 0, 0), ddo(n, 0);
+  dq_in.upload(upload_bits(q));
+  dk_in.upload(upload_bits(k));
+  dv_in.upload(upload_bits(v));
+  if (cs.gate) dgate_in.upload(upload_bits(gate));
+  ddo.upload(upload_bits(d_o));
+  const int64_t sh = kD, sl = H * kD, sb = L * H * kD;
+  auto in = [&](const DevBuf<uint16_t>& d) { return kv::RasterIn{d.ptr, sb, sl, sh}; };
+
+  const size_t tiled = static_cast<size_t>(B * H * P * kD);
+  DevBuf<uint16_t> tq(tiled, 0xFF), tk(tiled, 0xFF), tv(tiled, 0xFF), ohp(tiled, 0xFF);
+  DevBuf<float> m(static_cast<size_t>(B * H * P), 0xFF), l(static_cast<size_t>(B * H * P), 0xFF);
+  DevBuf<int32_t> sel_index(static_cast<size_t>(B * H * nc * topk), 0xFF), sel_count(static_cast<size_t>(B * H * nc), 0xFF);
+  const size_t coarse = static_cast<size_t>(B * H * nc * kD);
+  DevBuf<float> q_c(coarse, 0xFF), k_c(coarse, 0xFF), v_c(coarse, 0xFF), out_c(coarse, 0xFF),
+      probs(static_cast<size_t>(B * H * nc * nc), 0xFF);
+  RasterBuf o(B, L, H), gq(B, L, H), gk(B, L, H), gv(B, L, H), gg(B, L, H);
+  DevBuf<uint8_t> wsf(kv::vsa_forward_workspace_bytes(c), 0xFF), wsb(kv::vsa_backward_workspace_bytes(c), 0xFF);
+
+  kv::VsaForwardArgs fa;
+  fa.q = in(dq_in);
+  fa.k = in(dk_in);
+  fa.v = in(dv_in);
+  if (cs.gate) fa.gate = in(dgate_in);
+  fa.o = o.out();
+  fa.tiled_q = tq.ptr, fa.tiled_k = tk.ptr, fa.tiled_v = tv.ptr, fa.o_fine_hp = ohp.ptr;
+  fa.m = m.ptr, fa.l = l.ptr, fa.sel_index = sel_index.ptr, fa.sel_count = sel_count.ptr;
+  fa.q_c = q_c.ptr, fa.k_c = k_c.ptr, fa.v_c = v_c.ptr, fa.probs = probs.ptr, fa.out_c = out_c.ptr;
+  fa.workspace = wsf.ptr;
+  kv::vsa_forward(c, fa, nullptr);
+  VQAD_CUDA_CHECK(cudaDeviceSynchronize());
+
+  kv::VsaBackwardArgs ba;
+  if (cs.gate) ba.gate = in(dgate_in);
+  ba.d_o = in(ddo);
+  ba.tiled_q = tq.ptr, ba.tiled_k = tk.ptr, ba.tiled_v = tv.ptr, ba.o_fine_hp = ohp.ptr;
+  ba.m = m.ptr, ba.l = l.ptr, ba.sel_index = sel_index.ptr, ba.sel_count = sel_count.ptr;
+  ba.q_c = q_c.ptr, ba.k_c = k_c.ptr, ba.v_c = v_c.ptr, ba.probs = probs.ptr, ba.out_c = out_c.ptr;
+  ba.dq = gq.out();
+  ba.dk = gk.out();
+  ba.dv = gv.out();
+  if (cs.gate) ba.dgate = gg.out();
+  ba.workspace = wsb.ptr;
+  kv::vsa_backward(c, ba, nullptr);
+  VQAD_CUDA_CHECK(cudaDeviceSynchronize());
+
+  GpuResult r;
+  bool ok = true, all = true;
+  r.o_v = o.values(&ok);
+  all &= ok;
+  r.dq_v = gq.values(&ok);
+  all &= ok;
+  r.dk_v = gk.values(&ok);
+  all &= ok;
+  r.dv_v = gv.values(&ok);
+  all &= ok;
+  if (cs.gate) {
+    r.dgate_v = gg.values(&ok);
+    all &= ok;
+    r.dgate = gg.bits();
+  }
+  r.sentinels_ok = all;
+  r.o = o.bits(), r.dq = gq.bits(), r.dk = gk.bits(), r.dv = gv.bits();
+  r.q_c = q_c.download(), r.k_c = k_c.download(), r.v_c = v_c.download();
+  r.probs = probs.download(), r.out_c = out_c.download();
+  r.sel.batch = B, r.sel.heads = H, r.sel.num_q_cubes = nc, r.sel.max_kv = topk;
+  r.sel.index = sel_index.download();
+  r.sel.count = sel_count.download();
+  return r;
+}
+
+// Rows whose lists differ must differ only among cubes whose reference scores tie with
+// the selection boundary within rounding (a few fp32 ulps of the row's scale), or, for
+// top-p, only in the count where the cumulative probability meets top_p within rounding.
+bool selection_explained(const vr::SelectionLists& got, const vr::SelectionLists& want, const vr::Coarse& coarse,
+                         int64_t nc, double top_p, std::string* msg) {
+  int64_t rows_differ = 0;
+  bool ok = true;
+  const int64_t rows = want.batch * want.heads * want.num_q_cubes;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* a = got.index.data() + r * got.max_kv;
+    const int32_t* b = want.index.data() + r * want.max_kv;
+    const bool same = got.count[r] == want.count[r] && std::equal(a, a + got.max_kv, b);
+    if (same) continue;
+    ++rows_differ;
+    const float* s = coarse.scores.data() + r * nc;
+    std::vector<int32_t> in_a(a, a + std::max(0, got.count[r])), in_b(b, b + want.count[r]);
+    float lo_sel = INFINITY, hi_out = -INFINITY, amax = 0;
+    for (int32_t j : in_b) lo_sel = std::min(lo_sel, s[j]);
+    for (int64_t j = 0; j < nc; ++j) {
+      amax = std::max(amax, std::fabs(s[j]));
+      if (std::find(in_b.begin(), in_b.end(), j) == in_b.end()) hi_out = std::max(hi_out, s[j]);
+    }
+    bool tie = got.count[r] == want.count[r] && std::fabs(lo_sel - hi_out) <= 4e-6f * std::max(amax, 1e-6f);
+    if (!tie && top_p < 1.0 && std::abs(got.count[r] - want.count[r]) == 1) {
+      // Same order, one cube more or less: the mass after the shorter list must sit at top_p.
+      const float* pr = coarse.probs.data() + r * nc;
+      std::vector<int32_t> order(static_cast<size_t>(nc));
+      for (int64_t j = 0; j < nc; ++j) order[j] = static_cast<int32_t>(j);
+      std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return s[x] > s[y]; });
+      const int32_t n = std::min(got.count[r], want.count[r]);
+      double mass = 0;
+      for (int32_t e = 0; e < n; ++e) mass += pr[order[e]];
+      std::vector<int32_t> longer(order.begin(), order.begin() + n + 1), shorter(order.begin(), order.begin() + n);
+      std::sort(longer.begin(), longer.end());
+      std::sort(shorter.begin(), shorter.end());
+      const std::vector<int32_t>& ga = got.count[r] > want.count[r] ? longer : shorter;
+      const std::vector<int32_t>& gb = got.count[r] > want.count[r] ? shorter : longer;
+      tie = std::fabs(mass - top_p) <= 1e-5 && ga == in_a && gb == in_b;
+    }
+    if (!tie && ok) {
+      std::ostringstream os;
+      os << "row " << r << " (b*H*nc + h*nc + query cube): GPU count " << got.count[r] << " list [";
+      for (int32_t j : in_a) os << j << " ";
+      os << "], reference count " << want.count[r] << " list [";
+      for (int32_t j : in_b) os << j << " ";
+      os << "], boundary scores " << lo_sel << " / " << hi_out;
+      *msg = os.str();
+      ok = false;
+    }
+  }
+  if (ok && rows_differ > 0) *msg = std::to_string(rows_differ) + " rows differ at score ties";
+  return ok;
+}
+
+std::vector<float> randn(size_t n, float sd, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, sd);
+  std::vector<float> x(n);
+  for (float& e : x) e = aq::bf16_round(nd(rng));
+  return x;
+}
+
+void run_case(const Case& cs) {
+  ASSERT_GT(vqad::kernels::device_count(), 0) << "GPU tests need a CUDA device";
+  const std::string ctx = describe(cs);
+  std::printf("[%s]\n", ctx.c_str());
+  const vr::Tiling t = vr::make_tiling(cs.T, cs.Hg, cs.W, cs.cube);
+  const int64_t B = cs.B, H = cs.H, L = t.num_tokens(), nc = t.num_cubes;
+  std::mt19937 rng(cs.seed * 7919u + 17u);
+  const size_t n = static_cast<size_t>(B * L * H * kD);
+  const std::vector<float> q = randn(n, 1.0f, rng), k = randn(n, 1.0f, rng), v = randn(n, 1.0f, rng);
+  const std::vector<float> gate = cs.gate ? randn(n, 0.5f, rng) : std::vector<float>();
+  const std::vector<float> d_o = randn(n, 1.0f, rng);
+
+  vr::Options opts;
+  opts.cube = cs.cube;
+  opts.sparsity = cs.sparsity;
+  opts.selection = cs.selection;
+  opts.top_p = cs.top_p;
+  opts.quantize = cs.quantize;
+  opts.quant_p = cs.quant_p;
+  opts.quant_v = cs.quant_v;
+  opts.bwd_mode = cs.bwd;
+  opts.tile_blocks = kv::kVsaTileBlocks;
+  const vr::Dims dims{B, H, kD};
+  const int64_t topk = vr::effective_topk(cs.sparsity, nc);
+  auto view = [&](const std::vector<float>& x) {
+    return x.empty() ? aq::ConstView{} : aq::contiguous_view(x.data(), L, H, kD);
+  };
+
+  const GpuResult g = run_gpu(cs, t, q, k, v, gate, d_o, topk);
+  EXPECT_TRUE(g.sentinels_ok) << "a kernel wrote into the gaps between head rows or past the end, " << ctx;
+
+  // Reference, stage by stage (with the GPU's lists where they differ only at ties).
+  vr::Saved saved;
+  saved.coarse = vr::coarse_forward(dims, t, view(q), view(k), view(v), opts);
+  const vr::SelectionLists ref_sel = vr::select_cubes(dims, t, saved.coarse, opts);
+  {
+    std::string msg;
+    const bool ok = selection_explained(g.sel, ref_sel, saved.coarse, nc,
+                                        cs.selection == vr::Selection::kTopP ? cs.top_p : 1.0, &msg);
+    EXPECT_TRUE(ok) << "selection differs beyond score ties: " << msg << " in " << ctx;
+    if (!msg.empty()) std::printf("  selection: %s\n", msg.c_str());
+    if (!ok) return;
+  }
+  saved.selection = g.sel;
+  auto bitwise = [&](const char* what, const std::vector<float>& a, const std::vector<float>& b) {
+    int64_t bad = -1;
+    for (size_t i = 0; i < b.size() && bad < 0; ++i)
+      if (std::memcmp(&a[i], &b[i], 4) != 0) bad = static_cast<int64_t>(i);
+    EXPECT_LT(bad, 0) << what << " differs from the reference at flat index " << bad << " (" << a[bad] << " vs "
+                      << b[bad] << ") in " << ctx;
+  };
+  bitwise("q_c", g.q_c, saved.coarse.q_c);
+  bitwise("k_c", g.k_c, saved.coarse.k_c);
+  bitwise("v_c", g.v_c, saved.coarse.v_c);
+  {
+    const Compare cp = compare(g.probs, saved.coarse.probs);
+    std::printf("  probs  rel_l2 %.3e\n", cp.rel);
+    EXPECT_LE(cp.rel, 1e-5) << "coarse probabilities, " << ctx;
+    const Compare co = compare(g.out_c, saved.coarse.out_c);
+    std::printf("  out_c  rel_l2 %.3e (floor %.3e)\n", co.rel, co.floor);
+    // Same summation order; probabilities within an ulp can flip a rare bf16 rounding.
+    EXPECT_LE(co.rel, 1e-3) << "coarse out_c, " << ctx;
+  }
+
+  std::vector<float> fine(n), hp(n);
+  saved.m.assign(static_cast<size_t>(B * H * L), 0.0f);
+  saved.l.assign(saved.m.size(), 0.0f);
+  vr::fine_forward(dims, t, view(q), view(k), view(v), saved.selection, opts, aq::contiguous_view(fine.data(), L, H, kD),
+                   aq::contiguous_view(hp.data(), L, H, kD), saved.m.data(), saved.l.data());
+  saved.o_fine_hp = hp;
+  std::vector<float> o_ref(n);
+  const int64_t cube_slots = t.blocks_per_cube * vr::kPhysicalBlockTokens;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t cube = t.token_to_slot[i] / cube_slots;
+      for (int64_t h = 0; h < H; ++h)
+        for (int d = 0; d < kD; ++d) {
+          const size_t e = static_cast<size_t>(((b * L + i) * H + h) * kD + d);
+          const float oc = saved.coarse.out_c[static_cast<size_t>(((b * H + h) * nc + cube) * kD + d)];
+          // Unrounded: the comparison's noise floor is the bf16 rounding of this value.
+          o_ref[e] = cs.gate ? oc * gate[e] + fine[e] : fine[e];
+        }
+    }
+  std::vector<float> dq(n), dk(n), dv(n), dgate(cs.gate ? n : 0);
+  vr::backward(dims, t, view(q), view(k), view(v), view(gate), saved, view(d_o), opts,
+               aq::contiguous_view(dq.data(), L, H, kD), aq::contiguous_view(dk.data(), L, H, kD),
+               aq::contiguous_view(dv.data(), L, H, kD),
+               cs.gate ? aq::contiguous_view(dgate.data(), L, H, kD) : aq::View{});
+
+  expect_close("O", g.o_v, o_ref, L, H, ctx);
+  expect_close("dQ", g.dq_v, dq, L, H, ctx);
+  expect_close("dK", g.dk_v, dk, L, H, ctx);
+  expect_close("dV", g.dv_v, dv, L, H, ctx);
+  if (cs.gate) expect_close("dgate", g.dgate_v, dgate, L, H, ctx);
+
+  // Bitwise determinism: a second run on the same inputs.
+  const GpuResult g2 = run_gpu(cs, t, q, k, v, gate, d_o, topk);
+  EXPECT_EQ(g.o, g2.o) << "O differs between two runs, " << ctx;
+  EXPECT_EQ(g.dq, g2.dq) << "dQ differs between two runs, " << ctx;
+  EXPECT_EQ(g.dk, g2.dk) << "dK differs between two runs, " << ctx;
+  EXPECT_EQ(g.dv, g2.dv) << "dV differs between two runs, " << ctx;
+  EXPECT_EQ(g.dgate, g2.dgate) << "dgate differs between two runs, " << ctx;
+  EXPECT_EQ(g.sel.index, g2.sel.index) << "selection differs between two runs, " << ctx;
+}
+
+TEST(VsaCuda, QatC128RaggedBatchHeads) {
+  // t: 5 = 4 + 1, h: 6 = 4 + 2, w: 10 = 8 + 2 -> partial cubes in every direction,
+  // empty second physical blocks in the small border cubes.
+  run_case({"qat-c128-ragged", 2, 2, 5, 6, 10, vr::kCubeC128, 0.5});
+}
+
+TEST(VsaCuda, QatC64RaggedTopPFastVideo) {
+  Case c{"qat-c64-top-p", 1, 3, 6, 5, 7, vr::kCubeC64, 0.4};
+  c.selection = vr::Selection::kTopP;
+  c.top_p = 0.5;
+  c.bwd = aq::BwdMode::kFastVideo;
+  c.seed = 2;
+  run_case(c);
+}
+
+TEST(VsaCuda, Bf16C128FullCubesNoGate) {
+  Case c{"bf16-c128", 1, 2, 8, 8, 16, vr::kCubeC128, 0.75};
+  c.quantize = false;
+  c.gate = false;
+  c.seed = 3;
+  run_case(c);
+}
+
+TEST(VsaCuda, Bf16C64RaggedGate) {
+  Case c{"bf16-c64", 2, 1, 5, 7, 9, vr::kCubeC64, 0.6};
+  c.quantize = false;
+  c.seed = 4;
+  run_case(c);
+}
+
+TEST(VsaCuda, QatC64NoQuantVNoGate) {
+  Case c{"qat-c64-no-quant-v", 1, 2, 4, 9, 9, vr::kCubeC64, 0.7};
+  c.quant_v = false;
+  c.gate = false;
+  c.seed = 5;
+  run_case(c);
+}
+
+TEST(VsaCuda, QatC128NoQuantP) {
+  Case c{"qat-c128-no-quant-p", 1, 2, 4, 8, 12, vr::kCubeC128, 0.5};
+  c.quant_p = false;
+  c.seed = 6;
+  run_case(c);
+}
+
+TEST(VsaCuda, QatC128WanLikeBorders) {
+  // The Wan grid's border pattern (h 30 = 7 * 4 + 2, w 52 = 6 * 8 + 4) on fewer frames.
+  Case c{"qat-c128-wan-borders", 1, 2, 4, 30, 52, vr::kCubeC128, 0.9};
+  c.seed = 7;
+  run_case(c);
+}
+
+TEST(VsaCuda, RefusesUnsupportedShapes) {
+  ASSERT_GT(vqad::kernels::device_count(), 0) << "GPU tests need a CUDA device";
+  kv::VsaConfig c;
+  c.batch = 1;
+  c.heads = 1;
+  c.head_dim = 64;
+  kv::VsaForwardArgs a;
+  EXPECT_THROW(kv::vsa_forward(c, a, nullptr), vqad::Error);
+  c.head_dim = kD;
+  EXPECT_THROW(kv::vsa_forward(c, a, nullptr), vqad::Error);  // empty tiling
+}
+
+}  // namespace
