@@ -86,7 +86,7 @@ TEST(AttentionRegistry, DenseIsDifferentiable) {
 TEST(AttentionRegistry, AttnQatTrainRoutesToTheQatOp) {
   torch::manual_seed(3);
   auto q = torch::randn({1, 20, 2, 32}), k = torch::randn({1, 24, 2, 32}), v = torch::randn({1, 24, 2, 32});
-  vqad::ops::AttentionSpec spec{AttentionBackend::kAttnQatTrain, {}};
+  vqad::ops::AttentionSpec spec{AttentionBackend::kAttnQatTrain, {}, {}};
   spec.qat.block_n = 16;
   auto got = vqad::ops::self_attention(q, k, v, spec);
   auto want = vqad::ops::attention_qat(q, k, v, spec.qat);
@@ -95,12 +95,14 @@ TEST(AttentionRegistry, AttnQatTrainRoutesToTheQatOp) {
   EXPECT_GT((got - vqad::ops::dense_attention(q, k, v)).abs().max().item<float>(), 1e-3f);
 }
 
-TEST(AttentionRegistry, BackendsWithoutKernelsFailClearly) {
+TEST(AttentionRegistry, BadCallsFailClearly) {
   auto q = torch::randn({1, 8, 2, 16});
-  for (auto b : {AttentionBackend::kVsaTrain, AttentionBackend::kVsaQatTrainC64,
+  // The VSA backends need the token grid, which a plain self_attention call lacks.
+  for (auto b : {AttentionBackend::kVsaTrain, AttentionBackend::kVsaTrainC128, AttentionBackend::kVsaQatTrainC64,
                  AttentionBackend::kVsaQatTrainC128}) {
     auto e = error_of([&] { vqad::ops::self_attention(q, q, q, b); });
     EXPECT_NE(e.find(vqad::attention_backend_name(b)), std::string::npos) << e;
+    EXPECT_NE(e.find("grid"), std::string::npos) << e;
     EXPECT_NE(e.find("cpu"), std::string::npos) << e;
     EXPECT_NE(e.find("[1, 8, 2, 16]"), std::string::npos) << e;
   }

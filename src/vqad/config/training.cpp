@@ -9,7 +9,6 @@ namespace vqad::train::sections {
 namespace {
 
 const char* kMultiGpu = "multi-GPU training (one device today: the trainer refuses num_gpus > 1)";
-const char* kVsa = "video-sparse attention (VSA) training";
 const std::vector<std::string> kCheckpointingTypes = {"", "full", "ops", "block_skip"};
 
 const SectionSchema& distributed_schema() {
@@ -123,13 +122,15 @@ const SectionSchema& vsa_schema() {
   static const SectionSchema s{
       "training.vsa",
       {
-          planned(key("sparsity", K::kFloat, 0.0, "fraction of key tiles skipped, in [0, 1)", true), kVsa),
-          planned(key("cache_tile_buf", K::kBool, false, "reuse tile buffers across steps"), kVsa),
-          planned(key("decay_rate", K::kFloat, 0.0, "sparsity added every decay_interval_steps", true), kVsa),
-          planned(key("decay_interval_steps", K::kInt, 0, "steps between sparsity increases (0 = constant)", true),
-                  kVsa),
-          planned(choice_key("selection", {"top-k", "top-p"}, "top-k", "tile selection rule", true), kVsa),
-          planned(key("top_p", K::kFloat, 1.0, "top-p mass, in (0, 1]", true), kVsa),
+          key("sparsity", K::kFloat, 0.0, "fraction of KV cubes skipped by VSA backends, in [0, 1)", true),
+          key("cache_tile_buf", K::kBool, false,
+              "FastVideo's step-lifetime tile cache; vqad's tiled buffers live for one call, so only false"),
+          key("decay_rate", K::kFloat, 0.0,
+              "sparsity ramp: sparsity at step s = min(sparsity, decay_rate * floor(s / decay_interval_steps))",
+              true),
+          key("decay_interval_steps", K::kInt, 0, "steps between sparsity increases (0 = constant)", true),
+          choice_key("selection", {"top-k", "top-p"}, "top-k", "cube selection rule", true),
+          key("top_p", K::kFloat, 1.0, "top-p mass, in (0, 1] (1.0 = effective_topk cubes)", true),
       }};
   return s;
 }
@@ -367,6 +368,10 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
     check(x.decay_rate == 0.0 || x.decay_interval_steps > 0, ctx, "training.vsa.decay_interval_steps",
           "must be > 0 when decay_rate is set");
     check(x.top_p > 0.0 && x.top_p <= 1.0, ctx, "training.vsa.top_p", "must be in (0, 1], found " + fmt(x.top_p));
+    // vqad's tiled VSA scratch lives for one call (a step-lifetime tile cache breaks
+    // activation checkpointing); there is no cache to turn on.
+    check(!x.cache_tile_buf, ctx, "training.vsa.cache_tile_buf",
+          "vqad has no step-lifetime VSA tile cache (tiled buffers live for one call); remove the key or set false");
   }
   {
     Section m = t.sub("model", model_schema());

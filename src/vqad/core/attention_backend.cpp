@@ -11,6 +11,8 @@ constexpr Entry kEntries[] = {
     {AttentionBackend::kFlashAttn, "FLASH_ATTN"},
     {AttentionBackend::kAttnQatTrain, "ATTN_QAT_TRAIN"},
     {AttentionBackend::kVsaTrain, "VSA_TRAIN"},
+    {AttentionBackend::kVsaTrain, "VSA_TRAIN_C64"},  // alias: plain VSA_TRAIN is the 4x4x4 cube
+    {AttentionBackend::kVsaTrainC128, "VSA_TRAIN_C128"},
     {AttentionBackend::kVsaQatTrainC64, "VSA_QAT_TRAIN_C64"},
     {AttentionBackend::kVsaQatTrainC128, "VSA_QAT_TRAIN_C128"},
 };

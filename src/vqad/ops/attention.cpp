@@ -39,7 +39,7 @@ void check_blhd(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 }  // namespace
 
 AttentionBackendScope::AttentionBackendScope(AttentionBackend backend, const AttnQatOptions& qat)
-    : AttentionBackendScope(AttentionSpec{backend, qat}) {}
+    : AttentionBackendScope(AttentionSpec{backend, qat, {}}) {}
 
 AttentionBackendScope::AttentionBackendScope(const AttentionSpec& spec)
     : previous_(t_current_spec), previous_active_(t_scope_active) {
@@ -54,7 +54,7 @@ AttentionBackendScope::~AttentionBackendScope() {
 
 AttentionSpec current_attention_spec() {
   if (t_scope_active) return t_current_spec;
-  return AttentionSpec{kDefaultAttentionBackend, {}};
+  return AttentionSpec{kDefaultAttentionBackend, {}, {}};
 }
 
 bool attention_scope_active() { return t_scope_active; }
@@ -94,7 +94,7 @@ torch::Tensor dense_attention(const torch::Tensor& q, const torch::Tensor& k, co
 }
 
 torch::Tensor self_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const AttentionSpec& spec) {
+                             const AttentionSpec& spec, const VsaInputs& vsa) {
   check_blhd(q, k, v, attention_backend_name(spec.backend));
   switch (spec.backend) {
     case AttentionBackend::kTorchSdpa:
@@ -103,18 +103,17 @@ torch::Tensor self_attention(const torch::Tensor& q, const torch::Tensor& k, con
     case AttentionBackend::kAttnQatTrain:
       return attention_qat(q, k, v, spec.qat);
     case AttentionBackend::kVsaTrain:
+    case AttentionBackend::kVsaTrainC128:
     case AttentionBackend::kVsaQatTrainC64:
     case AttentionBackend::kVsaQatTrainC128:
-      break;
+      return vsa_attention(q, k, v, vsa.gate, vsa.grid, spec.backend, spec.vsa);
   }
-  fail("attention backend ", attention_backend_name(spec.backend),
-       ": no kernel is available in this build (", describe(q, k),
-       "); choose one of TORCH_SDPA, FLASH_ATTN, ATTN_QAT_TRAIN");
+  fail("attention backend ", attention_backend_name(spec.backend), ": unknown backend (", describe(q, k), ")");
 }
 
 torch::Tensor self_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              AttentionBackend backend) {
-  return self_attention(q, k, v, AttentionSpec{backend, {}});
+  return self_attention(q, k, v, AttentionSpec{backend, {}, {}});
 }
 
 }  // namespace vqad::ops

@@ -7,11 +7,14 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <array>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
 #include "vqad/core/attention_backend.h"
 #include "vqad/ops/attention_qat.h"
+#include "vqad/ops/vsa_attention.h"
 
 namespace vqad::ops {
 
@@ -19,6 +22,14 @@ namespace vqad::ops {
 struct AttentionSpec {
   AttentionBackend backend = AttentionBackend::kFlashAttn;
   AttnQatOptions qat;  // used by ATTN_QAT_TRAIN only
+  VsaOptions vsa;      // used by the VSA backends only
+};
+
+// What a VSA self-attention call needs besides q, k, v: the compression gate
+// [B, L, H, D] (undefined = zero gate) and the token grid (T, H, W) after patchify.
+struct VsaInputs {
+  torch::Tensor gate;
+  std::array<int64_t, 3> grid{0, 0, 0};
 };
 
 // Backend used when no scope is active: the fastest dense attention.
@@ -45,9 +56,10 @@ bool attention_scope_active();
 AttentionBackend parse_attention_backend_or_throw(std::string_view name, std::string_view where);
 
 // q [B, Lq, H, D], k/v [B, Lkv, H, D] (BLHD). Returns [B, Lq, H, D] in q's dtype.
-// Softmax scale 1/sqrt(D). Differentiable for the dense and ATTN_QAT_TRAIN backends.
+// Softmax scale 1/sqrt(D). Differentiable for every backend. The VSA backends need `vsa`
+// (the grid; without it they fail naming the backend).
 torch::Tensor self_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             const AttentionSpec& spec);
+                             const AttentionSpec& spec, const VsaInputs& vsa = {});
 torch::Tensor self_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              AttentionBackend backend);
 

@@ -57,9 +57,17 @@ static nlohmann::json attention_json(const Role& r) {
   a["backend"] = attention_backend_name(b);
   const bool vsa = model::is_vsa_backend(b);
   a["kind"] = vsa ? "vsa" : "dense";
-  a["cube_shape"] = b == AttentionBackend::kVsaQatTrainC128 ? nlohmann::json{4, 4, 8}
-                    : b == AttentionBackend::kVsaQatTrainC64 ? nlohmann::json{4, 4, 4}
-                                                             : nlohmann::json(nullptr);
+  a["cube_shape"] = nullptr;
+  if (vsa) {
+    const auto cube = ops::vsa_cube_of(b);
+    const auto& vc = r.model->attention_spec().vsa;
+    a["cube_shape"] = {cube.t, cube.h, cube.w};
+    a["physical_block_tokens"] = vsa_ref::kPhysicalBlockTokens;
+    a["selection"] = {{"mode", ops::vsa_selection_name(vc.selection)}, {"top_p", vc.top_p},
+                      {"sparsity", vc.sparsity}};
+    a["compression_gates"] = {{"module", "to_gate_compress"},
+                              {"initialization", r.compression_gate_initialization}};
+  }
   const bool qat = b == AttentionBackend::kAttnQatTrain || b == AttentionBackend::kVsaQatTrainC64 ||
                    b == AttentionBackend::kVsaQatTrainC128;
   const auto& q = r.model->attention_spec().qat;
@@ -145,6 +153,8 @@ nlohmann::json build_metadata(const RunConfig& run, const std::map<std::string, 
                     : student.init_kind == "vqad_export" ? "vqad_export_initialization"
                                                          : "pretrained_initialization";
   lineage["optimizer_state"] = "fresh";
+  if (!student.compression_gate_initialization.empty())
+    lineage["compression_gate_initialization"] = student.compression_gate_initialization;
   if (!student.parent_metadata.is_null()) {
     lineage["checkpoint_id"] = student.parent_metadata["checkpoint"].value("id", "");
     lineage["checkpoint_step"] = student.parent_metadata["checkpoint"].value("step", 0);

@@ -1,5 +1,6 @@
 #include "vqad/train/roles.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <tuple>
@@ -40,6 +41,23 @@ attach_quant_plan(model::WanModel& model, const model::QuantConfig& config) {
   return {std::move(plan), std::move(quants)};
 }
 
+double vsa_sparsity_at_step(const VsaConfig& vsa, long step) {
+  if (vsa.decay_rate <= 0.0) return vsa.sparsity;
+  VQAD_CHECK(vsa.decay_interval_steps > 0, "training.vsa.decay_interval_steps must be > 0 when decay_rate is set");
+  const double ramp = vsa.decay_rate * static_cast<double>(std::max<long>(step, 0) / vsa.decay_interval_steps);
+  return std::min(vsa.sparsity, ramp);
+}
+
+ops::AttentionSpec role_attention_spec(const RunConfig& run, const std::string& role_name) {
+  ops::AttentionSpec spec;
+  spec.backend = run.role(role_name).attention_backend;
+  const VsaConfig& v = run.training.vsa;
+  spec.vsa.sparsity = vsa_sparsity_at_step(v, 1);
+  spec.vsa.selection = ops::parse_vsa_selection(v.selection, "training.vsa.selection");
+  spec.vsa.top_p = v.top_p;
+  return spec;
+}
+
 static nlohmann::json read_parent_metadata(const std::string& init_from) {
   for (fs::path p : {fs::path(init_from) / "metadata.json", fs::path(init_from).parent_path() / "metadata.json"}) {
     if (fs::is_regular_file(p)) {
@@ -72,7 +90,7 @@ std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_n
              "' is not supported by vqad (valid: full, or unset)");
 
   {
-    ops::AttentionBackendScope scope(rc.attention_backend);
+    ops::AttentionBackendScope scope(role_attention_spec(run, role_name));
     const std::string random_prefix = "random:";
     if (rc.init_from.rfind(random_prefix, 0) == 0) {
       const std::string preset = rc.init_from.substr(random_prefix.size());
@@ -85,18 +103,28 @@ std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_n
       }
       role->model = std::make_shared<model::WanModel>(wc, mopt);
       role->init_kind = "random";
+      if (role->model->config().gate_compress) role->compression_gate_initialization = "zero";
     } else {
       VQAD_CHECK(fs::exists(rc.init_from), key, ".init_from: '", rc.init_from,
                  "' is not a local path (vqad does not download models: give a local Diffusers "
                  "directory, a vqad export, or random:<tiny|1.3B|14B>)");
-      role->model = model::wan_from_pretrained(rc.init_from, mopt);
+      model::LoadReport report;
+      role->model = model::wan_from_pretrained(rc.init_from, mopt, &report);
+      if (role->model->config().gate_compress)
+        role->compression_gate_initialization = report.gates_zeroed() ? "zero" : "checkpoint";
+      if (report.gates_zeroed())
+        log::info(key, ": ", rc.init_from, " has no to_gate_compress weights; the ",
+                  report.zeroed_gate_keys.size() / 2, " VSA compression gates start at zero");
       role->parent_metadata = read_parent_metadata(rc.init_from);
       role->init_kind = role->parent_metadata.is_null() ? "diffusers" : "vqad_export";
     }
   }
   if (!rc.transformer_override_safetensor.empty() && !rc.disable_custom_init_weights) {
     log::info(key, ": overriding weights from ", rc.transformer_override_safetensor);
-    model::load_weights(*role->model, model::read_weights(rc.transformer_override_safetensor));
+    const model::LoadReport report =
+        model::load_weights(*role->model, model::read_weights(rc.transformer_override_safetensor));
+    if (role->model->config().gate_compress)
+      role->compression_gate_initialization = report.gates_zeroed() ? "zero" : "checkpoint";
     auto pm = read_parent_metadata(fs::path(rc.transformer_override_safetensor).parent_path().string());
     if (!pm.is_null()) {
       role->parent_metadata = pm;

@@ -25,6 +25,9 @@ struct Role {
   model::QuantPlan plan;  // empty for dense roles
   std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> quants;
   std::string init_kind;            // "random" | "diffusers" | "vqad_export"
+  // VSA compression gates (to_gate_compress): "" when the model has none, "zero" when they
+  // start at zero (random init, or a checkpoint without them), "checkpoint" when loaded.
+  std::string compression_gate_initialization;
   nlohmann::json parent_metadata;   // metadata.json of a vqad export init_from (else null)
 
   std::vector<torch::Tensor> trainable_parameters() const;
@@ -41,6 +44,16 @@ struct RoleBuildOptions {
 // not downloaded: a non-existent path is an error naming models.<role>.init_from.
 std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_name,
                                  const RoleBuildOptions& options);
+
+// The self-attention spec a role's model is built with: its backend and, for the VSA
+// backends, training.vsa (selection, top_p, the sparsity of step 1).
+ops::AttentionSpec role_attention_spec(const RunConfig& run, const std::string& role_name);
+
+// The VSA sparsity used at training step `step` (1-based, as in metrics.jsonl):
+// training.vsa.sparsity when decay_rate is 0 (constant); otherwise the linear ramp
+// min(sparsity, decay_rate * floor(step / decay_interval_steps)), which starts at 0 and
+// reaches the target after ceil(sparsity / decay_rate) intervals.
+double vsa_sparsity_at_step(const VsaConfig& vsa, long step);
 
 // Builds the quant plan of `config` for the model's linears and attaches it.
 std::pair<model::QuantPlan, std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>>

@@ -68,13 +68,13 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   const auto& tc = run_.training;
   impl_->registration = &method_registration(run_);
   const MethodRegistration& method = *impl_->registration;
-  // Backends without kernels in this build fail here, before any weights load.
+  // Backends without kernels in this build (e.g. VSA on a GPU without the VSA path) fail here, before any weights load.
   for (const auto& name : run_.method.roles()) {
     const auto b = run_.role(name).attention_backend;
-    if (!model::is_vsa_backend(b)) continue;
+    if (!model::is_vsa_backend(b) || !options_.device.is_cuda() || ops::vsa_cuda_path_built()) continue;
     const std::string msg = "models." + name + ".attention_backend: " + attention_backend_name(b) +
-                            ": the video-sparse attention kernels are not part of this vqad build (available: "
-                            "TORCH_SDPA, FLASH_ATTN, ATTN_QAT_TRAIN; e.g. --models." + name +
+                            ": the video-sparse attention CUDA kernels are not part of this vqad build (on " +
+                            options_.device.str() + "; VSA runs on the CPU here, or use --models." + name +
                             ".attention_backend ATTN_QAT_TRAIN for the dense variant)";
     if (options_.dry_run)
       log::warn(msg);
@@ -235,6 +235,14 @@ TrainSummary Trainer::run() {
 
   for (long step = I.start_step + 1; step <= max_steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    // VSA roles run this step at the schedule's sparsity (training.vsa).
+    bool any_vsa = false;
+    const double vsa_sparsity = vsa_sparsity_at_step(tc.vsa, step);
+    for (auto& [name, role] : roles_)
+      if (model::is_vsa_backend(role->config.attention_backend)) {
+        role->model->set_vsa_sparsity(vsa_sparsity);
+        any_vsa = true;
+      }
     for (auto& [name, opt] : I.optimizers) opt.adamw->zero_grad(true);
     std::map<std::string, double> rec, role_loss;
     int64_t tokens = 0;
@@ -285,6 +293,7 @@ TrainSummary Trainer::run() {
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec["step_time_s"] = dt;
+    if (any_vsa) rec["vsa_sparsity"] = vsa_sparsity;
     rec["tokens_per_s"] = static_cast<double>(tokens) / dt;
     rec["mem_peak_gib"] = peak_memory_gib(options_.device);
     if (I.peak) {

@@ -8,10 +8,7 @@
 
 namespace vqad::model {
 
-bool is_vsa_backend(AttentionBackend b) {
-  return b == AttentionBackend::kVsaTrain || b == AttentionBackend::kVsaQatTrainC64 ||
-         b == AttentionBackend::kVsaQatTrainC128;
-}
+bool is_vsa_backend(AttentionBackend b) { return ops::is_vsa_backend(b); }
 
 WanModel::WanModel(const WanConfig& config, const WanModelOptions& options)
     : config_(config), options_(options), spec_(ops::current_attention_spec()) {
@@ -46,6 +43,12 @@ void WanModel::set_compute_dtype(torch::ScalarType dtype) {
   VQAD_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
              "Wan model: compute dtype must be float32 or bfloat16, found ", c10::toString(dtype));
   options_.compute_dtype = dtype;
+}
+
+void WanModel::set_vsa_sparsity(double sparsity) {
+  VQAD_CHECK(sparsity >= 0.0 && sparsity < 1.0, "Wan model: VSA sparsity must be in [0, 1), found ", sparsity);
+  spec_.vsa.sparsity = sparsity;
+  for (auto& b : block_list_) b->set_vsa_sparsity(sparsity);
 }
 
 WanBlock& WanModel::block(int64_t i) {
@@ -96,8 +99,8 @@ torch::Tensor WanModel::forward_blocks(int64_t begin, int64_t end, torch::Tensor
   for (int64_t i = begin; i < end; ++i) {
     WanBlock* blk = block_list_[i].get();
     if (ckpt) {
-      auto fn = [blk](const std::vector<torch::Tensor>& in) {
-        return blk->forward_tensors(in[0], in[1], in[2], in[3], in[4], nullptr);
+      auto fn = [blk, grid = cond.grid](const std::vector<torch::Tensor>& in) {
+        return blk->forward_tensors(in[0], in[1], in[2], in[3], in[4], nullptr, grid);
       };
       hidden = ops::checkpoint(fn, {hidden, cond.time_mod, cond.context, cond.rope_cos, cond.rope_sin},
                                blk->parameters());

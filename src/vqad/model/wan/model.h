@@ -54,6 +54,9 @@ class WanModel : public torch::nn::Module {
   const WanModelOptions& options() const { return options_; }
   const ops::AttentionSpec& attention_spec() const { return spec_; }
   void set_gradient_checkpointing(bool on) { options_.gradient_checkpointing = on; }
+  // VSA backends: the sparsity every block uses from the next forward on (the trainer
+  // sets it each step from training.vsa); vqad::Error outside [0, 1).
+  void set_vsa_sparsity(double sparsity);
   void set_compute_dtype(torch::ScalarType dtype);
   int64_t num_blocks() const { return static_cast<int64_t>(block_list_.size()); }
   WanBlock& block(int64_t i);

@@ -199,14 +199,18 @@ WanAttention::WanAttention(int64_t dim, int64_t heads_, double eps, const torch:
 }
 
 torch::Tensor WanAttention::self_forward(const torch::Tensor& h, const torch::Tensor& rope_cos,
-                                         const torch::Tensor& rope_sin, const ops::AttentionSpec& spec) {
+                                         const torch::Tensor& rope_sin, const ops::AttentionSpec& spec,
+                                         const torch::Tensor& gate, std::array<int64_t, 3> grid) {
   const int64_t B = h.size(0), L = h.size(1);
   // RMSNorm and RoPE in one op (one kernel on CUDA); the same math as
   // apply_rope(norm_q->forward(.).reshape(B, L, H, D)).
   auto q = norm_q->forward_rope(to_q->forward(h), rope_cos, rope_sin).reshape({B, L, heads, -1});
   auto k = norm_k->forward_rope(to_k->forward(h), rope_cos, rope_sin).reshape({B, L, heads, -1});
   auto v = to_v->forward(h).reshape({B, L, heads, -1});
-  auto o = ops::self_attention(q, k, v, spec);
+  ops::VsaInputs vsa;
+  if (gate.defined()) vsa.gate = gate.reshape({B, L, heads, -1});
+  vsa.grid = grid;
+  auto o = ops::self_attention(q, k, v, spec, vsa);
   return to_out_0->forward(o.reshape({B, L, -1}).to(h.scalar_type()));
 }
 
@@ -258,12 +262,13 @@ WanBlock::WanBlock(int64_t dim, int64_t heads, int64_t ffn_dim, double eps_, boo
 }
 
 torch::Tensor WanBlock::forward(const torch::Tensor& x, const WanConditioning& cond, BlockTaps* taps) {
-  return forward_tensors(x, cond.time_mod, cond.context, cond.rope_cos, cond.rope_sin, taps);
+  return forward_tensors(x, cond.time_mod, cond.context, cond.rope_cos, cond.rope_sin, taps, cond.grid);
 }
 
 torch::Tensor WanBlock::forward_tensors(const torch::Tensor& x, const torch::Tensor& time_mod,
                                         const torch::Tensor& context, const torch::Tensor& rope_cos,
-                                        const torch::Tensor& rope_sin, BlockTaps* taps) {
+                                        const torch::Tensor& rope_sin, BlockTaps* taps,
+                                        std::array<int64_t, 3> grid) {
   const auto cdt = x.scalar_type();
   auto e = (scale_shift_table.to(torch::kFloat32) + time_mod.to(torch::kFloat32)).chunk(6, 1);
   const auto &shift = e[0], &scale = e[1], &gate = e[2];
@@ -272,7 +277,15 @@ torch::Tensor WanBlock::forward_tensors(const torch::Tensor& x, const torch::Ten
   // (layer_norm_fp32(x) * (1 + scale) + shift).to(cdt) and (x + a * gate).to(cdt) in fp32:
   // fused ops (one kernel each on CUDA, the composite elsewhere).
   auto h1 = ops::modulated_layer_norm(x, scale, shift, eps);
-  auto attn = attn1->self_forward(h1, rope_cos, rope_sin, spec_);
+  // VSA: the compression gate is a plain (never quantized) linear on the same modulated
+  // input as q, k, v; a VSA block always has it (zero until trained).
+  torch::Tensor vsa_gate;
+  if (ops::is_vsa_backend(spec_.backend)) {
+    VQAD_CHECK(to_gate_compress, "Wan block: attention backend ", attention_backend_name(spec_.backend),
+               " needs to_gate_compress, but the block was built without it");
+    vsa_gate = to_gate_compress->forward(h1);
+  }
+  auto attn = attn1->self_forward(h1, rope_cos, rope_sin, spec_, vsa_gate, grid);
   if (taps) taps->attn_out = attn;
   auto out = ops::gated_residual(x, attn, gate);
 

@@ -96,8 +96,11 @@ class WanAttention : public torch::nn::Module {
  public:
   WanAttention(int64_t dim, int64_t heads, double eps, const torch::TensorOptions& options);
   // h [B, L, dim]; rope tables [L, D/2] fp32. Output after to_out: [B, L, dim].
+  // VSA backends: `gate` [B, L, dim] (to_gate_compress output; undefined = zero gate) and
+  // `grid` (tokens per axis after patchify).
   torch::Tensor self_forward(const torch::Tensor& h, const torch::Tensor& rope_cos,
-                             const torch::Tensor& rope_sin, const ops::AttentionSpec& spec);
+                             const torch::Tensor& rope_sin, const ops::AttentionSpec& spec,
+                             const torch::Tensor& gate = {}, std::array<int64_t, 3> grid = {0, 0, 0});
   // h [B, L, dim], context [B, Lt, dim]; always dense.
   torch::Tensor cross_forward(const torch::Tensor& h, const torch::Tensor& context);
 
@@ -138,16 +141,20 @@ class WanBlock : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const WanConditioning& cond,
                         BlockTaps* taps = nullptr);
   // The same computation with the conditioning as plain tensors (activation checkpointing).
+  // `grid` (tokens per axis after patchify) is needed by the VSA backends only.
   torch::Tensor forward_tensors(const torch::Tensor& x, const torch::Tensor& time_mod,
                                 const torch::Tensor& context, const torch::Tensor& rope_cos,
-                                const torch::Tensor& rope_sin, BlockTaps* taps);
+                                const torch::Tensor& rope_sin, BlockTaps* taps,
+                                std::array<int64_t, 3> grid = {0, 0, 0});
 
   const ops::AttentionSpec& attention_spec() const { return spec_; }
+  // VSA: the sparsity used from the next forward on (the trainer's schedule).
+  void set_vsa_sparsity(double sparsity) { spec_.vsa.sparsity = sparsity; }
 
   std::shared_ptr<WanAttention> attn1, attn2;
   std::shared_ptr<FP32LayerNorm> norm2;
   std::shared_ptr<FeedForward> ffn;
-  std::shared_ptr<Linear> to_gate_compress;  // null unless configured
+  std::shared_ptr<Linear> to_gate_compress;  // null unless configured; used by VSA backends
   torch::Tensor scale_shift_table;           // [1, 6, dim]
   double eps;
 

@@ -231,7 +231,7 @@ std::map<std::string, PackedNvfp4Linear> read_packed_nvfp4_linears(const std::st
 
 WeightState read_weights(const std::string& path) { return read_weights(locate_weights(path)); }
 
-void load_weights(WanModel& model, const WeightState& state) {
+LoadReport load_weights(WanModel& model, const WeightState& state) {
   auto params = model.named_parameters(/*recurse=*/true);
   std::vector<std::string> missing, unexpected, misshaped, bad_dtype;
   std::vector<std::string> zeroed;
@@ -296,9 +296,13 @@ void load_weights(WanModel& model, const WeightState& state) {
       p.copy_(it->second);
     }
   }
+  LoadReport report;
+  report.zeroed_gate_keys = std::move(zeroed);
+  return report;
 }
 
-std::shared_ptr<WanModel> wan_from_pretrained(const std::string& path, const WanModelOptions& options) {
+std::shared_ptr<WanModel> wan_from_pretrained(const std::string& path, const WanModelOptions& options,
+                                              LoadReport* report) {
   WeightSource src = locate_weights(path);
   VQAD_CHECK(!src.config_path.empty(), "Wan model ", path, ": no config.json in ",
              src.transformer_dir, " (a Diffusers transformer/config.json is required)");
@@ -309,7 +313,8 @@ std::shared_ptr<WanModel> wan_from_pretrained(const std::string& path, const Wan
   for (const auto& [k, _] : state.tensors)
     if (is_gate_compress_key(k)) config.gate_compress = true;
   auto model = std::make_shared<WanModel>(config, options);
-  load_weights(*model, state);
+  LoadReport r = load_weights(*model, state);
+  if (report != nullptr) *report = std::move(r);
   return model;
 }
 

@@ -41,15 +41,25 @@ struct WeightState {
 WeightState read_weights(const WeightSource& source);
 WeightState read_weights(const std::string& path);
 
+// What a load did beyond copying tensors.
+struct LoadReport {
+  // blocks.N.to_gate_compress.{weight,bias} the state lacked and that were set to zero
+  // (a dense checkpoint loaded into a VSA model: compression_gate_initialization zero).
+  std::vector<std::string> zeroed_gate_keys;
+  bool gates_zeroed() const { return !zeroed_gate_keys.empty(); }
+};
+
 // Strict: the state must hold exactly the model's keys with the model's shapes and a
 // floating dtype. Only blocks.N.to_gate_compress.{weight,bias} may be absent; they are
-// zeroed. One vqad::Error lists every missing, unexpected and mis-shaped key (with files).
-void load_weights(WanModel& model, const WeightState& state);
+// zeroed and listed in the report. One vqad::Error lists every missing, unexpected and
+// mis-shaped key (with files).
+LoadReport load_weights(WanModel& model, const WeightState& state);
 
 // Config from <transformer dir>/config.json, model built in the current attention scope,
-// weights loaded strictly.
+// weights loaded strictly. `report` (optional) receives what load_weights reports.
 std::shared_ptr<WanModel> wan_from_pretrained(const std::string& path,
-                                              const WanModelOptions& options = {});
+                                              const WanModelOptions& options = {},
+                                              LoadReport* report = nullptr);
 
 // Diffusers layout: <out_dir>/transformer/config.json and
 // <out_dir>/transformer/diffusion_pytorch_model.safetensors (fp32 by default), both atomic.

@@ -1,0 +1,58 @@
+// Video sparse attention (VSA_TRAIN_C64 / _C128, VSA_QAT_TRAIN_C64 / _C128) as one torch
+// autograd op (spec/attention.md "VSA"): q, k, v and the compression gate [B, L, H, D] in
+// raster token order of a T x H x W grid -> out [B, L, H, D]. The CPU path runs the
+// reference (numerics/vsa_ref.h); CUDA tensors go to the kernels (ops/vsa_attention_cuda.h)
+// when this build has them. There is no fallback between the paths or to dense attention.
+#pragma once
+#include <torch/torch.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "vqad/core/attention_backend.h"
+#include "vqad/numerics/vsa_ref.h"
+#include "vqad/ops/attention_qat.h"
+
+namespace vqad::ops {
+
+// Visited physical blocks per running-max tile: the CUDA kernels' choice
+// (kernels/vsa/vsa_kernels.h kVsaTileBlocks); both device paths run with it.
+inline constexpr int kVsaTileBlocks = 1;
+
+// What a VSA layer takes besides the backend (training.vsa.*).
+struct VsaOptions {
+  double sparsity = 0.0;  // fraction of KV cubes skipped, [0, 1) (training.vsa.sparsity default)
+  vsa_ref::Selection selection = vsa_ref::Selection::kTopK;
+  double top_p = 1.0;     // top-p threshold, (0, 1]
+  bool quant_p = true;    // VSA_QAT_*: P fake-quantized per 16 keys
+  bool quant_v = true;    // VSA_QAT_*: V fake-quantized
+  AttnQatBwdMode bwd_mode = AttnQatBwdMode::kConsistent;
+};
+
+bool is_vsa_backend(AttentionBackend b);
+// Cube shape of a VSA backend (C64 = 4x4x4, C128 = 4x4x8); vqad::Error for other backends.
+vsa_ref::CubeShape vsa_cube_of(AttentionBackend b);
+// True for VSA_QAT_TRAIN_* (NVFP4 fine stage), false for VSA_TRAIN_* (BF16).
+bool vsa_quantized(AttentionBackend b);
+// The reference options of a call (softmax scale 1/sqrt(D), tile_blocks = kVsaTileBlocks).
+vsa_ref::Options vsa_ref_options(AttentionBackend b, const VsaOptions& o);
+// "top-k" | "top-p"; vqad::Error naming `where` otherwise.
+vsa_ref::Selection parse_vsa_selection(const std::string& s, const std::string& where);
+const char* vsa_selection_name(vsa_ref::Selection s);
+
+// Whether this build holds the CUDA path (the VSA kernels); without it CUDA tensors are
+// refused with an error naming the device.
+bool vsa_cuda_path_built();
+
+// q, k, v [B, L, H, D] (BLHD, any strides, one device, floating dtypes), L = T * H * W of
+// `grid` in raster (t, h, w) order; gate: same shape or undefined (zero gate). Returns o in
+// q's dtype. Differentiable with respect to q, k, v and gate (straight-through through the
+// quantizers; no gradient through the selection). `selection`, when given, receives the
+// selected KV cubes per (batch, head, query cube) of this call.
+torch::Tensor vsa_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& gate, std::array<int64_t, 3> grid,
+                            AttentionBackend backend, const VsaOptions& opts,
+                            vsa_ref::SelectionLists* selection = nullptr);
+
+}  // namespace vqad::ops
