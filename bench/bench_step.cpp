@@ -25,6 +25,7 @@
 #include "vqad/model/quant_plan.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/ops/attention.h"
+#include "vqad/ops/vsa_attention.h"
 #include "vqad/train/throughput.h"
 
 #ifdef VQAD_WITH_TORCH_CUDA
@@ -39,6 +40,7 @@ struct StepBenchOptions {
   std::string attention;  // empty: the default pair of configurations
   std::string linears;    // empty: the default pair of configurations
   bool no_baseline = false;
+  double sparsity = 0.9;  // VSA backends: fraction of KV cubes skipped
   int warmup = 1;
   int steps = 3;
   int64_t layers = 0;  // 0: the preset's 30 blocks
@@ -63,10 +65,10 @@ const StepConfig kBaselineConfig{"TORCH_SDPA", false};
 AttentionBackend parse_step_attention(const std::string& name) {
   const AttentionBackend b = ops::parse_attention_backend_or_throw(name, "bench step --attention");
   VQAD_CHECK(b == AttentionBackend::kAttnQatTrain || b == AttentionBackend::kTorchSdpa ||
-                 b == AttentionBackend::kFlashAttn,
+                 b == AttentionBackend::kFlashAttn || ops::is_vsa_backend(b),
              "bench step --attention: '", name,
-             "' is not a dense-attention backend this bench runs (valid: ATTN_QAT_TRAIN, "
-             "TORCH_SDPA, FLASH_ATTN)");
+             "' is not a backend this bench runs (valid: ATTN_QAT_TRAIN, TORCH_SDPA, FLASH_ATTN, "
+             "VSA_TRAIN, VSA_TRAIN_C128, VSA_QAT_TRAIN_C64, VSA_QAT_TRAIN_C128)");
   return b;
 }
 
@@ -95,6 +97,8 @@ std::vector<StepConfig> configs_of(const StepBenchOptions& o) {
 void validate(const StepBenchOptions& o) {
   VQAD_CHECK(o.steps >= 1, "bench step --steps: expected >= 1, found ", o.steps);
   VQAD_CHECK(o.warmup >= 0, "bench step --warmup: expected >= 0, found ", o.warmup);
+  VQAD_CHECK(o.sparsity >= 0.0 && o.sparsity < 1.0, "bench step --sparsity: expected in [0, 1), found ",
+             o.sparsity);
   VQAD_CHECK(o.layers >= 0, "bench step --layers: expected >= 0 (0: all 30), found ", o.layers);
   VQAD_CHECK(o.frames >= 1 && o.height >= 2 && o.width >= 2 && o.height % 2 == 0 &&
                  o.width % 2 == 0,
@@ -162,7 +166,10 @@ StepResult run_config(const StepConfig& sc, const StepBenchOptions& o, const tor
   mo.gradient_checkpointing = true;
   std::shared_ptr<model::WanModel> m;
   {
-    ops::AttentionBackendScope scope(parse_step_attention(sc.attention));
+    ops::AttentionSpec spec;
+    spec.backend = parse_step_attention(sc.attention);
+    spec.vsa.sparsity = o.sparsity;  // read by the VSA backends only
+    ops::AttentionBackendScope scope(spec);
     m = std::make_shared<model::WanModel>(cfg, mo);
   }
   if (sc.nvfp4) {
@@ -281,6 +288,10 @@ int run_bench(const StepBenchOptions& o) {
                bench::fmt(r.losses.back(), 4)});
     runs.push_back({{"configuration", r.config.label()},
                     {"attention", r.config.attention},
+                    {"vsa_sparsity", ops::is_vsa_backend(ops::parse_attention_backend_or_throw(
+                                         r.config.attention, "bench step --attention"))
+                                         ? nlohmann::json(o.sparsity)
+                                         : nlohmann::json(nullptr)},
                     {"linears", r.config.nvfp4 ? "nvfp4" : "dense"},
                     {"linears_quantized", r.linears_quantized},
                     {"step_s_median", step_s},
@@ -359,6 +370,9 @@ void register_bench_step_commands(CLI::App& app) {
   sub->add_option("--attention", opts->attention,
                   "self-attention backend: ATTN_QAT_TRAIN | TORCH_SDPA | FLASH_ATTN "
                   "(default: ATTN_QAT_TRAIN + nvfp4 and the TORCH_SDPA + dense baseline)");
+  sub->add_option("--sparsity", opts->sparsity,
+                  "VSA backends: fraction of KV cubes skipped (model FLOPs and MFU stay dense-equivalent)")
+      ->capture_default_str();
   sub->add_option("--linears", opts->linears, "nvfp4 (dynamic NVFP4 QAT linears) | dense");
   sub->add_flag("--no-baseline", opts->no_baseline,
                 "skip the TORCH_SDPA + dense baseline (no ratio)");

@@ -507,7 +507,7 @@ TEST(ConfigSchema, EveryKeyHasOneDescriptorWithHelpAndStatus) {
       }
     }
   }
-  EXPECT_EQ(planned["training.vsa"], 6);
+  EXPECT_EQ(planned["training.vsa"], 0);  // implemented with the VSA model integration
   EXPECT_EQ(planned["method (layer_recon)"], 8);
   EXPECT_GT(planned["training.distributed"], 0);
   EXPECT_EQ(refused.count("models.<role>.lora"), 1u);

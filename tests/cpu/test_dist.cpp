@@ -120,6 +120,7 @@ TEST(DistSampler, StateResumesOnAnotherWorldSizeWithTheSameGlobalBatch) {
 }
 
 TEST(DistCollectives, LaunchedWorldsOf2And4PassEveryCheck) {
+  VQAD_SKIP_WITHOUT_GLOO();
   auto dir = fresh("check");
   for (int w : {2, 4}) {
     auto r = test_dist::run_vqad("launch --nproc " + std::to_string(w) + " dist check --timeout 30",
@@ -134,6 +135,7 @@ TEST(DistCollectives, LaunchedWorldsOf2And4PassEveryCheck) {
 }
 
 TEST(DistCollectives, RankZeroHostsTheStoreWithoutTheLauncher) {
+  VQAD_SKIP_WITHOUT_GLOO();
   auto dir = fresh("torchrun");
   const int port = test_dist::free_port();
   ASSERT_GT(port, 0);
@@ -151,6 +153,7 @@ TEST(DistCollectives, RankZeroHostsTheStoreWithoutTheLauncher) {
 }
 
 TEST(DistFaults, KilledRankIsNamedByEveryOtherRank) {
+  VQAD_SKIP_WITHOUT_GLOO();
   auto dir = fresh("kill");
   auto r = test_dist::run_vqad("launch --nproc 3 --grace 60 dist check --timeout 60 --fault-rank 1 --fault kill",
                                dir / "log");
@@ -167,6 +170,7 @@ TEST(DistFaults, KilledRankIsNamedByEveryOtherRank) {
 }
 
 TEST(DistFaults, HungRankIsNamedWhenTheTimeoutPasses) {
+  VQAD_SKIP_WITHOUT_GLOO();
   auto dir = fresh("hang");
   auto r = test_dist::run_vqad("launch --nproc 3 --grace 1 dist check --timeout 2 --fault-rank 2 --fault hang",
                                dir / "log");
@@ -183,6 +187,7 @@ TEST(DistFaults, HungRankIsNamedWhenTheTimeoutPasses) {
 }
 
 TEST(DistFaults, DeadRankWithoutLauncherIsNamedFromItsHeartbeat) {
+  VQAD_SKIP_WITHOUT_GLOO();
   // No launcher to report the death: the others see rank 1's heartbeat stop.
   auto dir = fresh("dead");
   const int port = test_dist::free_port();

@@ -33,10 +33,13 @@ namespace {
 struct DistTrain : ::testing::Test {
   fs::path root;
   void SetUp() override {
+    VQAD_SKIP_WITHOUT_GLOO();
     root = test_train::fresh_test_dir("vqad_dist_train");
     test_train::write_tiny_dataset(root / "data", 16, 3);
   }
-  void TearDown() override { fs::remove_all(root); }
+  void TearDown() override {
+    if (!root.empty()) fs::remove_all(root);
+  }
 
   // Global batch 4 = world x per-rank batch; 2 micro-batches per step.
   fs::path recipe(int world, const fs::path& out, long steps, long save) const {

@@ -14,6 +14,16 @@
 #include <sstream>
 #include <string>
 
+#include "vqad/dist/backend.h"
+
+// The multi-process tests run collectives on Gloo; a build without the libgloo-dev headers
+// has none, and those tests skip saying so (the single-process ones still run).
+#define VQAD_SKIP_WITHOUT_GLOO()                                                          \
+  do {                                                                                    \
+    if (!vqad::dist::gloo_available())                                                    \
+      GTEST_SKIP() << "this vqad build has no Gloo (install libgloo-dev and rebuild)";   \
+  } while (0)
+
 namespace vqad::test_dist {
 
 struct RunResult {

@@ -344,7 +344,9 @@ TEST(Dmd2Recipes, StageTwoAndSparseDmd2LoadWithTheSeedValues) {
   EXPECT_EQ(sp.role("student").attention_backend, AttentionBackend::kVsaQatTrainC128);
   EXPECT_EQ(sp.training.vsa.sparsity, 0.9);
   // The VSA student is accepted on the CPU; what stops the recipe as written is its
-  // placeholder weight path (a tiny run of this recipe is in test_vsa_train.cpp).
+  // placeholder weight path (a tiny run of this recipe is in test_vsa_train.cpp). Run as
+  // the documented one-process override so the 4-GPU layout does not stop it first.
+  sp.training.distributed = train::DistributedConfig{};
   try {
     train::Trainer(sp, train::TrainerOptions{});
     FAIL() << "expected an error";

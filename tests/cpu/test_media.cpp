@@ -22,6 +22,7 @@
 #include "vqad/media/report.h"
 #include "vqad/media/video_writer.h"
 #include "vqad/media/wan_vae.h"
+#include "tiny_vae.h"
 
 namespace fs = std::filesystem;
 using vqad::media::WanVaeConfig;
@@ -29,25 +30,9 @@ using vqad::media::WanVaeDecoder;
 
 namespace {
 
-// A small decoder with the Wan2.1 structure (two temporal and three spatial upsamplers).
-WanVaeConfig tiny_config() {
-  WanVaeConfig c = WanVaeConfig::wan21();
-  c.base_dim = 8;
-  c.dim_mult = {1, 2, 2, 2};
-  c.num_res_blocks = 1;
-  return c;
-}
-
+WanVaeConfig tiny_config() { return tiny_vae::config(); }
 std::map<std::string, torch::Tensor> random_state(const WanVaeConfig& c, uint64_t seed) {
-  torch::manual_seed(seed);
-  std::map<std::string, torch::Tensor> s;
-  for (const auto& [k, shape] : WanVaeDecoder::expected_shapes(c)) {
-    if (k.find("gamma") != std::string::npos)
-      s[k] = 1.0 + 0.1 * torch::randn(shape);
-    else
-      s[k] = 0.2 * torch::randn(shape) / std::sqrt(double(shape.size() > 1 ? shape[1] : 1));
-  }
-  return s;
+  return tiny_vae::random_state(c, seed);
 }
 
 fs::path temp_dir(const std::string& name) {
@@ -158,18 +143,8 @@ TEST(WanVae, ConfigRefusesOtherArchitectures) {
 
 TEST(WanVae, DecodeCommandWritesVideosAndSheet) {
   if (!vqad::media::video_writer_available()) GTEST_SKIP() << "this build has no H.264 writer (ffmpeg libraries)";
-  const auto c = tiny_config();
   auto dir = temp_dir("cli");
-  // A VAE directory as Diffusers writes it.
-  fs::create_directories(dir / "vae");
-  nlohmann::json cfg = {{"_class_name", "AutoencoderKLWan"}, {"base_dim", c.base_dim}, {"z_dim", 16},
-                        {"dim_mult", c.dim_mult},       {"num_res_blocks", c.num_res_blocks},
-                        {"attn_scales", nlohmann::json::array()}, {"temperal_downsample", c.temperal_downsample},
-                        {"latents_mean", c.latents_mean}, {"latents_std", c.latents_std}, {"dropout", 0.0}};
-  std::ofstream(dir / "vae" / "config.json") << cfg.dump(2);
-  std::vector<std::pair<std::string, torch::Tensor>> tensors;
-  for (auto& [k, t] : random_state(c, 5)) tensors.emplace_back(k, t);
-  vqad::io::save_safetensors((dir / "vae" / "diffusion_pytorch_model.safetensors").string(), tensors);
+  tiny_vae::write(dir);  // a VAE directory as Diffusers writes it
   vqad::io::save_safetensors((dir / "lat.safetensors").string(), {{"latents", torch::randn({2, 16, 3, 4, 5})}});
   int rc = 0;
   const std::string out = run(std::string(VQAD_BINARY) + " decode " + (dir / "lat.safetensors").string() + " --vae " +

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -21,6 +22,9 @@
 #include "vqad/train/trainer.h"
 #include "vqad/train/validation.h"
 #include "test_train_util.h"
+#include "tiny_vae.h"
+#include "vqad/media/report.h"
+#include "vqad/media/video_writer.h"
 
 namespace fs = std::filesystem;
 using namespace vqad;
@@ -99,6 +103,79 @@ TEST_F(ValidationFixture, SftWritesSamplesAtStartAndEveryNStepsWithoutChangingTr
   int records = 0;
   for (const auto& r : read_metrics((with / "metrics.jsonl").string())) records += r.contains("validation/seconds");
   EXPECT_EQ(records, 3);
+}
+
+// With a Wan VAE (callbacks.validation.vae) every sample is also decoded to an MP4 and
+// the step gets a contact sheet; the latents are the ones written without it and training
+// is unchanged. A bad VAE directory fails at load naming the key; `vae: none` decodes nothing.
+TEST_F(ValidationFixture, VaeDecodesEverySampleToAnMp4AndAContactSheet) {
+  if (!media::video_writer_available()) GTEST_SKIP() << "this build has no H.264 writer (ffmpeg libraries)";
+  tiny_vae::write(root / "vae_root");
+  const std::string cb = "callbacks:\n  validation:\n    _target_: fastvideo.train.callbacks.validation.ValidationCallback\n"
+                         "    dataset_file: " + (root / "prompts" / "validation.json").string() + "\n"
+                         "    every_steps: 4\n    sampling_steps: [2]\n    fps: 8\n";
+  const auto with = root / "vae_on", without = root / "vae_off";
+  train::Trainer(train::parse_run_config(sft_yaml(with.string(), cb),
+                                         {"--callbacks.validation.vae", (root / "vae_root").string()}),
+                 quiet()).run();
+  train::Trainer(train::parse_run_config(sft_yaml(without.string(), cb), {"--callbacks.validation.vae", "none"}),
+                 quiet()).run();
+  EXPECT_EQ(losses(with), losses(without));
+  const auto dir = with / "validation" / "step-4";
+  for (int i = 0; i < 2; ++i)
+    EXPECT_GT(fs::file_size(dir / ("sample_" + std::to_string(i) + ".mp4")), 0u) << dir;
+  const auto sheet = png::read((dir / "contact_sheet.png").string());
+  EXPECT_GT(sheet.width, 0);
+  EXPECT_GT(sheet.height, 0);
+  std::ifstream sf(dir / "summary.json");
+  const auto summary = nlohmann::json::parse(sf);
+  ASSERT_TRUE(summary.at("decoded").is_object()) << summary.dump();
+  EXPECT_EQ(summary["decoded"]["videos"], 2);
+  // 2 latent frames -> 5 video frames of 32 x 32 (latent 4 x 4, VAE stride 8).
+  EXPECT_EQ(summary["decoded"]["frames"], 5);
+  EXPECT_EQ(summary["decoded"]["width"], 32);
+  EXPECT_EQ(summary["decoded"]["fps"], 8);
+  const auto off = without / "validation" / "step-4";
+  EXPECT_FALSE(fs::exists(off / "sample_0.mp4"));
+  EXPECT_TRUE(nlohmann::json::parse(std::ifstream(off / "summary.json")).at("decoded").is_null());
+  EXPECT_TRUE(torch::equal(io::load_safetensors((dir / "samples.safetensors").string()).at("latents"),
+                           io::load_safetensors((off / "samples.safetensors").string()).at("latents")));
+  try {
+    train::Trainer(train::parse_run_config(sft_yaml((root / "bad").string(), cb),
+                                           {"--callbacks.validation.vae", (root / "no_vae_here").string()}),
+                   quiet());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("callbacks.validation.vae"), std::string::npos) << e.what();
+  }
+}
+
+// The run report of a real (tiny) run with decoded validation videos opens in headless
+// Chromium: the page renders to a screenshot with the loss curves and the contact sheet
+// (scripts/report_screenshot.sh is the same check by hand; it needs the chromium package).
+TEST_F(ValidationFixture, RunReportOfARunWithVideosRendersInHeadlessChromium) {
+  if (!media::video_writer_available()) GTEST_SKIP() << "this build has no H.264 writer (ffmpeg libraries)";
+  if (std::system("command -v chromium > /dev/null 2>&1") != 0) GTEST_SKIP() << "chromium is not installed";
+  tiny_vae::write(root / "vae_root");
+  const std::string cb = "callbacks:\n  validation:\n    _target_: fastvideo.train.callbacks.validation.ValidationCallback\n"
+                         "    dataset_file: " + (root / "prompts" / "validation.json").string() + "\n"
+                         "    every_steps: 2\n    sampling_steps: [2]\n    vae: " + (root / "vae_root").string() + "\n";
+  const auto run_dir = root / "report_run";
+  train::Trainer(train::parse_run_config(sft_yaml(run_dir.string(), cb)), quiet()).run();
+  const std::string html = (run_dir / "report.html").string();
+  const std::string summary = media::write_run_report(run_dir.string(), html);
+  EXPECT_NE(summary.find("videos"), std::string::npos) << summary;
+  const fs::path shot = root / "report.png";
+  const std::string cmd = "timeout 120 chromium --headless=new --no-sandbox --disable-gpu --hide-scrollbars "
+                          "--window-size=1200,2400 --screenshot=" + shot.string() + " file://" + html +
+                          " > " + (root / "chromium.log").string() + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "chromium failed; see " << (root / "chromium.log");
+  ASSERT_TRUE(fs::exists(shot));
+  // A blank 1200 x 1600 page compresses to a few KB; curves, text and a contact sheet do not.
+  EXPECT_GT(fs::file_size(shot), 40000u);
+  // VQAD_REPORT_SCREENSHOT=FILE keeps the screenshot for a person to look at.
+  if (const char* keep = std::getenv("VQAD_REPORT_SCREENSHOT"); keep && *keep)
+    fs::copy_file(shot, keep, fs::copy_options::overwrite_existing);
 }
 
 // FastVideo's `every_steps: 0` and vqad's `--callbacks.validation none` both turn the

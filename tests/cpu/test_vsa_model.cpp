@@ -128,7 +128,18 @@ TEST(VsaModel, ActivationCheckpointingGivesTheSameGradients) {
   for (auto& item : pp) {
     const auto& g = item.value().grad();
     ASSERT_TRUE(g.defined()) << item.key();
-    ASSERT_TRUE(torch::equal(g, cp[item.key()].grad())) << item.key();
+    const torch::Tensor& gc = cp[item.key()].grad();
+    ASSERT_TRUE(gc.defined()) << item.key();
+    if (item.key().rfind("blocks.", 0) == 0) {
+      // Inside a checkpointed block the recomputation is the same arithmetic: bitwise equal.
+      EXPECT_TRUE(torch::equal(g, gc)) << item.key();
+    } else {
+      // Parameters before the blocks (embedders) sum contributions of every block; with
+      // checkpointing they arrive in another order, so equal up to bf16 accumulation rounding.
+      const double scale = 1.0 + g.abs().max().item<double>();
+      EXPECT_LE((g.to(torch::kFloat32) - gc.to(torch::kFloat32)).abs().max().item<double>(), 1e-2 * scale)
+          << item.key();
+    }
     ++compared;
   }
   EXPECT_GT(pp["blocks.1.to_gate_compress.weight"].grad().abs().sum().item<double>(), 0.0);

@@ -95,13 +95,13 @@ int run_op_attention(const OpAttentionArgs& a) {
   ops::VsaOptions vopts;
   if (vsa) {
     VQAD_CHECK(!a.grid.empty(), "--backend ", a.backend, " needs --grid T,H,W (the token grid of q, k, v)");
+    grid = parse_grid(a.grid);
     VQAD_CHECK(a.sparsity >= 0.0, "--backend ", a.backend, " needs --sparsity S (fraction of KV cubes skipped, in [0, 1))");
     VQAD_CHECK(a.sparsity < 1.0, "--sparsity: must be in [0, 1), found ", a.sparsity);
     VQAD_CHECK(a.top_p > 0.0 && a.top_p <= 1.0, "--top-p: must be in (0, 1], found ", a.top_p);
     VQAD_CHECK(a.block_n == 128, "--block-n: not used by the VSA backends (their KV tile is one 64-token "
                "physical block)");
     VQAD_CHECK(!a.no_quant_qk, "--no-quant-qk: not available for the VSA backends (VSA_TRAIN_* is the unquantized one)");
-    grid = parse_grid(a.grid);
     vopts.sparsity = a.sparsity;
     vopts.selection = ops::parse_vsa_selection(a.selection, "--selection");
     vopts.top_p = a.top_p;

@@ -42,7 +42,11 @@ const SectionSchema& validation_schema() {
                              "sampling with the inference variant of the QAT attention; vqad samples with the "
                              "student's training backend"),
                          false),
-       key("use_validation_media_conditioning", K::kBool, false, "image conditioning (T2V: none)")}};
+       key("use_validation_media_conditioning", K::kBool, false, "image conditioning (T2V: none)"),
+       key("vae", K::kString, "",
+           "vqad: Wan VAE (a vae/ directory or a Diffusers root) to decode the samples into sample_<i>.mp4 and "
+           "contact_sheet.png; '' = the student's Diffusers root when it has vae/, 'none' = latents only"),
+       key("fps", K::kInt, 16, "vqad: frames per second of the decoded MP4s")}};
   return s;
 }
 
@@ -143,6 +147,9 @@ CallbacksConfig parse_callbacks(const Ctx& ctx, const Json* node) {
       v.unload_pipeline_after_validation = s.boolean("unload_pipeline_after_validation");
       v.attn_qat_infer = s.boolean("attn_qat_infer");
       v.use_validation_media_conditioning = s.boolean("use_validation_media_conditioning");
+      v.vae = s.str("vae");
+      v.fps = s.i64("fps");
+      check(v.fps >= 1, ctx, p + ".fps", "must be >= 1, found " + std::to_string(v.fps));
       check(v.every_steps >= 0, ctx, p + ".every_steps", "must be >= 0");
       if (v.every_steps > 0) {
         check(!v.dataset_file.empty(), ctx, p + ".dataset_file", "must be set when every_steps > 0");

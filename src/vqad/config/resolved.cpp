@@ -191,6 +191,8 @@ Json to_json(const CallbacksConfig& c, const Json& raw_callbacks) {
       e["unload_pipeline_after_validation"] = v.unload_pipeline_after_validation;
       e["attn_qat_infer"] = v.attn_qat_infer;
       e["use_validation_media_conditioning"] = v.use_validation_media_conditioning;
+      if (!v.vae.empty()) e["vae"] = v.vae;
+      if (v.fps != 16) e["fps"] = v.fps;
     }
     j[name] = e;
   }

@@ -276,6 +276,10 @@ struct ValidationConfig {
   bool unload_pipeline_after_validation = false;
   bool attn_qat_infer = false;
   bool use_validation_media_conditioning = false;
+  // vqad: Wan VAE for decoding the samples to MP4 + a contact sheet. "" = the student's
+  // Diffusers root when it has vae/, else none; "none" = never decode.
+  std::string vae;
+  int64_t fps = 16;  // of the MP4s
 };
 
 struct CallbacksConfig {

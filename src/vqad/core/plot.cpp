@@ -107,7 +107,10 @@ png::Image panels(const std::vector<Series>& series, const Options& o) {
       const double yv = ymin + (ymax - ymin) * t / 4.0, xv = xmin + (xmax - xmin) * t / 4.0;
       const int yy = static_cast<int>(std::lround(py(yv))), xx = static_cast<int>(std::lround(px(xv)));
       if (t > 0 && t < 4) line(img, x0 + 1, yy, x1 - 1, yy, grid, 1), line(img, xx, y0 + 1, xx, y1 - 1, grid, 1);
-      const std::string ys = tick_text(yv), xs = tick_text(std::round(xv));
+      // Steps are integers: round the x labels unless the span is so short that rounding
+      // would print one step twice (1, 1.75, 2.5, ... must not read 1, 2, 3, 3).
+      const bool round_x = (xmax - xmin) >= 8.0;
+      const std::string ys = tick_text(yv), xs = tick_text(round_x ? std::round(xv) : xv);
       text(img, x0 - 6 - static_cast<int>(ys.size()) * 8, yy - 5, ys, axis);
       text(img, xx - static_cast<int>(xs.size()) * 4, y1 + 8, xs, axis);
     }

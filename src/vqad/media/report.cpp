@@ -229,7 +229,6 @@ std::string write_run_report(const std::string& run_dir, const std::string& out_
   if (steps.empty()) h << "<p class=dim>no validation outputs under " << html_escape(vdir.string()) << "</p>";
   for (const auto& [step, dir] : steps) {
     h << "<h3>step " << step << "</h3>";
-    if (fs::exists(dir / "summary.json")) h << "<pre>" << html_escape(read_file(dir / "summary.json")) << "</pre>";
     for (const char* img : {"contact_sheet.png", "grid.png"}) {
       if (!fs::exists(dir / img)) continue;
       h << "<p>" << img << "</p><img alt=\"" << img << "\" src=\"data:image/png;base64," << base64(read_file(dir / img))
@@ -246,6 +245,10 @@ std::string write_run_report(const std::string& run_dir, const std::string& out_
         << "\" src=\"data:video/mp4;base64," << base64(read_file(m)) << "\"></video>";
       ++videos;
     }
+    // What a person looks at first (sheet, videos); the sampler settings folded below.
+    if (fs::exists(dir / "summary.json"))
+      h << "<details><summary>summary.json</summary><pre>" << html_escape(read_file(dir / "summary.json"))
+        << "</pre></details>";
   }
 
   // Lineage of the newest checkpoint.

@@ -139,8 +139,10 @@ ref::Tiling tiling_of(const Call& c) {
 class VsaFunction : public torch::autograd::Function<VsaFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
-                               const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& gate,
+                               const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& gate_arg,
                                const Call& call) {
+    // No gate arrives as a 0-element placeholder (autograd inputs must be defined tensors).
+    const torch::Tensor gate = gate_arg.numel() == 0 ? torch::Tensor() : gate_arg;
     const ref::Tiling tiling = tiling_of(call);
     const ref::Options ro = vsa_ref_options(call.backend, call.opts);
     save_call(ctx, call, q, k, v, gate);
@@ -313,7 +315,8 @@ torch::Tensor vsa_attention(const torch::Tensor& q, const torch::Tensor& k, cons
                             const torch::Tensor& gate, std::array<int64_t, 3> grid, AttentionBackend backend,
                             const VsaOptions& opts, vsa_ref::SelectionLists* selection) {
   check_inputs(q, k, v, gate, grid, backend, opts);
-  return VsaFunction::apply(q, k, v, gate, Call{backend, opts, grid, selection});
+  const torch::Tensor gate_arg = gate.defined() ? gate : torch::empty({0}, q.options().requires_grad(false));
+  return VsaFunction::apply(q, k, v, gate_arg, Call{backend, opts, grid, selection});
 }
 
 }  // namespace vqad::ops

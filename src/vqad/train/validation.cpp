@@ -13,6 +13,8 @@
 #include "vqad/core/safetensors.h"
 #include "vqad/data/text_embeddings.h"
 #include "vqad/io/tensors.h"
+#include "vqad/media/render.h"
+#include "vqad/media/video_writer.h"
 #include "vqad/train/sampling.h"
 
 namespace fs = std::filesystem;
@@ -99,6 +101,21 @@ ValidationRunner::ValidationRunner(const RunConfig& run, std::shared_ptr<Role> s
   shape_ = {prompts_.text.size(0), mc.in_channels, t, h / 8, w / 8};
   out_dir_ = v.output_dir.empty() ? (fs::path(run_.training.checkpoint.output_dir) / "validation").string()
                                   : v.output_dir;
+  // The VAE: named, or found beside the student's weights (a Diffusers root with vae/).
+  std::string vae_dir = v.vae;
+  const std::string student_init = run_.models.count("student") ? run_.models.at("student").init_from : "";
+  if (vae_dir.empty() && !student_init.empty() && fs::exists(fs::path(student_init) / "vae" / "config.json"))
+    vae_dir = student_init;
+  if (!vae_dir.empty() && vae_dir != "none") {
+    try {
+      vae_ = std::make_shared<media::WanVaeDecoder>(media::WanVaeDecoder::load(vae_dir, device_, torch::kFloat32));
+    } catch (const Error& e) {
+      fail("callbacks.validation.vae: ", e.what());
+    }
+    if (!media::video_writer_available())
+      fail("callbacks.validation.vae: set to ", vae_dir, " but this vqad build has no MP4 writer (ffmpeg "
+           "libraries); set callbacks.validation.vae none for latents only");
+  }
   log::info("validation: ", shape_[0], " prompts from ", v.dataset_file, ", latents [", shape_[1], ", ", shape_[2],
             ", ", shape_[3], ", ", shape_[4], "], ",
             sampler_.name, ", every ", v.every_steps,
@@ -109,6 +126,8 @@ bool ValidationRunner::due(long step) const {
   const auto& v = run_.callbacks.validation;
   return v.every_steps > 0 && step % v.every_steps == 0;
 }
+
+int64_t ValidationRunner::v_fps() const { return run_.callbacks.validation.fps; }
 
 bool ValidationRunner::at_start() const { return run_.callbacks.validation.run_at_start; }
 
@@ -130,8 +149,17 @@ std::map<std::string, double> ValidationRunner::run(long step) {
   io::save_safetensors((dir / "samples.safetensors").string(), {{"latents", latents}},
                        {{"captions", caps.dump()}, {"sampler", sampler}, {"step", std::to_string(step)}});
   png::write((dir / "grid.png").string(), latent_grid(latents));
+  nlohmann::json decoded = nullptr;
+  if (vae_) {
+    media::RenderOptions ro;
+    ro.fps = static_cast<int>(v_fps());
+    auto r = media::render_latents(*vae_, latents, /*normalized=*/true, dir.string(), ro);
+    decoded = {{"videos", r.videos.size()}, {"frames", r.frames}, {"height", r.height}, {"width", r.width},
+               {"fps", ro.fps}, {"decode_seconds", r.decode_seconds}, {"contact_sheet", "contact_sheet.png"}};
+  }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   nlohmann::json summary{{"step", step},
+                         {"decoded", decoded},
                          {"sampler", sampler},
                          {"prompts", caps},
                          {"latent_shape", shape_},

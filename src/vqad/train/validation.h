@@ -3,8 +3,10 @@
 // prompts and the latents are written to
 //   <output_dir>/validation/step-<k>/samples.safetensors
 // (one F32 tensor "latents" [N, 16, T, H, W], captions in the file's metadata) with a
-// summary.json and grid.png (a latent preview, see latent_grid). vqad has no VAE or text encoder: decoding to video is left to the user,
-// and the prompts come with precomputed text embeddings:
+// summary.json and grid.png (a latent preview, see latent_grid). With a Wan VAE
+// (callbacks.validation.vae, or the student's Diffusers root holding vae/) every sample is
+// also decoded to sample_<i>.mp4 and the step gets contact_sheet.png (media/render.h).
+// vqad has no text encoder, so the prompts come with precomputed text embeddings:
 //   - a parquet dataset (t2v or text_only schema; its text embeddings and captions), or
 //   - a JSON file: {"data": [{"caption": "...", "embedding": "neg.safetensors"}, ...]}
 //     (or a bare list), each embedding a .safetensors file with one [L, D] tensor,
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "vqad/core/png.h"
+#include "vqad/media/wan_vae.h"
 #include "vqad/train/config.h"
 #include "vqad/train/methods/registry.h"
 #include "vqad/train/roles.h"
@@ -52,6 +55,7 @@ class ValidationRunner {
   // Samples, writes the files, returns metrics ("validation/seconds", ...).
   std::map<std::string, double> run(long step);
   const std::vector<int64_t>& latent_shape() const { return shape_; }
+  bool decodes_video() const { return vae_ != nullptr; }
 
  private:
   RunConfig run_;
@@ -61,6 +65,8 @@ class ValidationRunner {
   ValidationPrompts prompts_;
   std::vector<int64_t> shape_;  // [N, C, T, H, W]
   std::string out_dir_;
+  int64_t v_fps() const;
+  std::shared_ptr<media::WanVaeDecoder> vae_;  // null: latents and the latent preview only
 };
 
 }  // namespace vqad::train
