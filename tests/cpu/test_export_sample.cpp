@@ -22,6 +22,8 @@
 #include "vqad/train/roles.h"
 #include "vqad/train/sampling.h"
 #include "test_export_util.h"
+#include "tiny_vae.h"
+#include "vqad/media/video_writer.h"
 
 namespace {
 
@@ -183,6 +185,43 @@ TEST(ExportSample, DemoStage2ExportSamplesTheReportLatents) {
     auto lat = vqad::io::load_safetensors((sdir / "latents.safetensors").string());
     EXPECT_TRUE(torch::equal(lat.at("latents"), report)) << model;
   }
+  fs::remove_all(dir);
+}
+
+// `vqad sample --vae` decodes what it sampled: sample_<i>.mp4 per prompt and a contact sheet
+// next to the latents; a VAE that does not load fails before any sampling, naming it.
+TEST(ExportSample, SampleCommandDecodesWithAVae) {
+  if (!vqad::media::video_writer_available()) GTEST_SKIP() << "this build has no H.264 writer (ffmpeg libraries)";
+  const fs::path dir = fresh_dir("sample_vae");
+  write_tiny_checkpoint(dir / "checkpoint-1", QuantMethod::kNvfp4QatTrain, 31);
+  vqad::deploy::export_model((dir / "checkpoint-1").string(), (dir / "dense").string(), {});
+  write_prompts(dir / "prompts.safetensors", 2, 5, false);
+  tiny_vae::write(dir / "vae_root");
+  auto run = [&](const std::string& args, const fs::path& log) {
+    const int rc = std::system((std::string(VQAD_BINARY) + " " + args + " > " + log.string() + " 2>&1").c_str());
+    std::ifstream f(log);
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    return std::make_pair(WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, text);
+  };
+  const std::string base = "sample " + (dir / "dense").string() + " --prompts " + (dir / "prompts.safetensors").string() +
+                           " --timesteps 1000,757,522 --latent-shape 2,4,4 --attention TORCH_SDPA";
+  auto [rc, text] = run(base + " --vae " + (dir / "vae_root").string() + " --fps 10 --out " + (dir / "s").string(),
+                        dir / "s.log");
+  ASSERT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("decoded 2 videos (5 frames 32x32, 10 fps)"), std::string::npos) << text;
+  EXPECT_GT(fs::file_size(dir / "s" / "sample_0.mp4"), 0u);
+  EXPECT_GT(fs::file_size(dir / "s" / "sample_1.mp4"), 0u);
+  EXPECT_GT(vqad::png::read((dir / "s" / "contact_sheet.png").string()).width, 0);
+  EXPECT_TRUE(fs::exists(dir / "s" / "latents.safetensors"));
+  auto [rc2, text2] = run(base + " --vae " + (dir / "missing").string() + " --out " + (dir / "s2").string(),
+                          dir / "s2.log");
+  EXPECT_EQ(rc2, 1) << text2;
+  EXPECT_NE(text2.find((dir / "missing").string()), std::string::npos) << text2;
+  EXPECT_FALSE(fs::exists(dir / "s2" / "latents.safetensors")) << "sampled before the VAE was checked";
+  auto [rc3, text3] = run(base + " --vae " + (dir / "vae_root").string() + " --vae-dtype fp8 --out " +
+                              (dir / "s3").string(), dir / "s3.log");
+  EXPECT_EQ(rc3, 1) << text3;
+  EXPECT_NE(text3.find("--vae-dtype"), std::string::npos) << text3;
   fs::remove_all(dir);
 }
 
