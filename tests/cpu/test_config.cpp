@@ -244,14 +244,17 @@ method:
   EXPECT_EQ(l.method.kind, MethodKind::kLayerRecon);
   EXPECT_EQ(l.method.layer_recon.group_size, 5);
   EXPECT_EQ(l.method.layer_recon.trainable_modules.size(), 8u);
-  RunConfig r = parse_run_config(base + R"(
+  const std::string ode_method = R"(
 method:
   _target_: fastvideo.train.methods.reconstruction_ode.method.ReconstructionODEMethod
   attention_weight: 0.25
   mlp_weight: 0.25
   ode_weight: 0.5
   student_steps: 3
-)");
+)";
+  // recon_ode trains the VSA compression gates: a dense student is refused, naming the key.
+  expect_error(base + ode_method, {}, {"models.student.attention_backend", "to_gate_compress"});
+  RunConfig r = parse_run_config(base + ode_method, {"--models.student.attention_backend", "VSA_QAT_TRAIN_C128"});
   EXPECT_EQ(r.method.kind, MethodKind::kReconOde);
   EXPECT_DOUBLE_EQ(r.method.recon_ode.ode_weight, 0.5);
   EXPECT_EQ(r.method.recon_ode.trainable_modules.back(), "to_gate_compress");
@@ -507,8 +510,12 @@ TEST(ConfigSchema, EveryKeyHasOneDescriptorWithHelpAndStatus) {
       }
     }
   }
-  EXPECT_EQ(planned["training.vsa"], 0);  // implemented with the VSA model integration
-  EXPECT_EQ(planned["method (layer_recon)"], 8);
+  // training.vsa acts on its keys since the VSA model integration (cache_tile_buf true is refused).
+  EXPECT_EQ(planned["training.vsa"], 0);
+  // layer_recon, recon_ode and the shifted ODE schedule act on every key they parse.
+  EXPECT_EQ(planned["method (layer_recon)"], 0);
+  EXPECT_EQ(planned["method (recon_ode)"], 0);
+  EXPECT_EQ(planned["method.shifted_ode_schedule"], 0);
   EXPECT_GT(planned["training.distributed"], 0);
   EXPECT_EQ(refused.count("models.<role>.lora"), 1u);
   EXPECT_EQ(refused.count("training.optimizer.fused"), 1u);

@@ -324,7 +324,7 @@ TEST(Dmd2Recipes, StageTwoAndSparseDmd2LoadWithTheSeedValues) {
   EXPECT_FALSE(q.role("teacher").trainable);
   EXPECT_EQ(q.training.checkpoint.checkpoints_total_limit, 3);
 
-  auto sp = train::load_run_config(std::string(VQAD_SOURCE_DIR) + "/configs/sparse_qad/dmd2.yaml");
+  auto sp = train::load_run_config(std::string(VQAD_SOURCE_DIR) + "/configs/sparse_qad/stage2_dmd2.yaml");
   const auto& s = sp.method.dmd2;
   EXPECT_EQ(s.rollout_mode, train::RolloutMode::kSimulate);
   ASSERT_EQ(s.dmd_denoising_steps.size(), 3u);
@@ -343,12 +343,14 @@ TEST(Dmd2Recipes, StageTwoAndSparseDmd2LoadWithTheSeedValues) {
   EXPECT_EQ(sp.role("critic").quant_config, "none");
   EXPECT_EQ(sp.role("student").attention_backend, AttentionBackend::kVsaQatTrainC128);
   EXPECT_EQ(sp.training.vsa.sparsity, 0.9);
-  // The VSA student is accepted on the CPU; what stops the recipe as written is its
-  // placeholder weight path (a tiny run of this recipe is in test_vsa_train.cpp). Run as
-  // the documented one-process override so the 4-GPU layout does not stop it first.
-  sp.training.distributed = train::DistributedConfig{};
+  // The VSA student is accepted on the CPU; what stops the recipe with its documented
+  // one-GPU override is its placeholder weight path (a tiny run of this recipe is in
+  // test_vsa_train.cpp).
   try {
-    train::Trainer(sp, train::TrainerOptions{});
+    train::Trainer(train::load_run_config(std::string(VQAD_SOURCE_DIR) + "/configs/sparse_qad/stage2_dmd2.yaml",
+                                          {"--training.distributed.num_gpus", "1",
+                                           "--training.distributed.hsdp_replicate_dim", "1"}),
+                   train::TrainerOptions{});
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()).find("attention_backend"), std::string::npos) << e.what();

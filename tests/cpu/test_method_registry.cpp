@@ -21,25 +21,25 @@ train::RunConfig stage2_recipe() {
 }  // namespace
 
 TEST(MethodRegistry, NamesMapToRegistrationsAndUnknownMethodsAreClearErrors) {
-  EXPECT_EQ(train::registered_method_names(), (std::vector<std::string>{"sft", "dmd2"}));
+  EXPECT_EQ(train::registered_method_names(),
+            (std::vector<std::string>{"sft", "dmd2", "layer_recon", "recon_ode"}));
   for (const auto& name : train::registered_method_names()) {
     const auto* m = train::find_method(name);
     ASSERT_NE(m, nullptr) << name;
     EXPECT_EQ(m->name, name);
     EXPECT_TRUE(m->optimizers && m->create && m->supervision && m->validation_sampler) << name;
   }
-  EXPECT_EQ(train::find_method("layer_recon"), nullptr);
-  auto run = train::load_run_config(std::string(VQAD_SOURCE_DIR) + "/configs/qad_wan2_1_mixkit/stage1_attn_qat_sft.yaml",
-                                    {"--method._target_", "layer_recon", "--models.teacher._target_", "wan",
-                                     "--models.teacher.init_from", "x", "--models.teacher.trainable", "false"});
-  try {
-    train::method_registration(run);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find("layer_recon"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("available: sft, dmd2"), std::string::npos) << msg;
+  // The reconstruction methods restrict the trainable scope and check the ODE cache / the
+  // architecture at load; recon_ode picks the dataset's anchors; dmd2 records a distillation.
+  for (const char* name : {"layer_recon", "recon_ode"}) {
+    const auto* m = train::find_method(name);
+    EXPECT_TRUE(m->validate && m->prepare_roles) << name;
+    EXPECT_FALSE(m->records_distillation) << name;
   }
+  EXPECT_TRUE(static_cast<bool>(train::find_method("recon_ode")->ode_anchor_indices));
+  EXPECT_FALSE(static_cast<bool>(train::find_method("layer_recon")->ode_anchor_indices));
+  EXPECT_TRUE(train::find_method("dmd2")->records_distillation);
+  EXPECT_EQ(train::find_method("no_such_method"), nullptr);
 }
 
 TEST(MethodRegistry, Dmd2DeclaresTheCriticsOwnAdamW) {

@@ -124,8 +124,14 @@ TEST_F(TrainerFixture, ChildRunRecordsParentLineage) {
   auto cs = train::Trainer(train::parse_run_config(child), quiet()).run();
   auto meta = train::read_metadata(cs.checkpoints.back());
   auto parent_meta = train::read_metadata(parent_export);
-  EXPECT_EQ(meta["lineage"]["checkpoint_id"], parent_meta["checkpoint"]["id"]);
-  EXPECT_EQ(meta["lineage"]["kind"], "vqad_export_initialization");
+  const auto& lin = meta["provenance"]["lineage"];
+  EXPECT_EQ(lin["checkpoint_id"], parent_meta["checkpoint"]["id"]);
+  EXPECT_EQ(lin["kind"], "dense_weight_initialization");  // the parent trained dense (TORCH_SDPA, no QAT)
+  EXPECT_EQ(lin["parent_attention_backend"], "TORCH_SDPA");
+  EXPECT_EQ(lin["parent_metadata"], parent_meta);
+  EXPECT_EQ(meta["training_contract"]["direct_lineage"], lin);
+  EXPECT_FALSE(meta.contains("lineage"));
+  EXPECT_EQ(meta["metadata_schema_version"], 2);
   EXPECT_TRUE(train::verify_lineage(cs.checkpoints.back()).empty());
   EXPECT_NE(train::lineage_text(meta).find(parent_meta["checkpoint"]["id"].get<std::string>()), std::string::npos);
 }

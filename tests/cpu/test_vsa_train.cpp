@@ -1,6 +1,6 @@
 // VSA students in training on the CPU: training.vsa (sparsity schedule, selection, top_p)
 // reaches the student's attention each step, the gates train from zero and the metadata
-// records them; configs/sparse_qad/dmd2.yaml runs with tiny overrides.
+// records them; configs/sparse_qad/stage2_dmd2.yaml runs with tiny overrides.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -101,7 +101,7 @@ TEST_F(VsaTrainFixture, SftStudentTrainsWithTheScheduleAndRecordsItsGates) {
   EXPECT_EQ(meta["attention"]["cube_shape"], nlohmann::json({4, 4, 8}));
   EXPECT_EQ(meta["attention"]["selection"]["mode"], "top-p");
   EXPECT_EQ(meta["attention"]["compression_gates"]["initialization"], "zero");
-  EXPECT_EQ(meta["lineage"]["compression_gate_initialization"], "zero");
+  EXPECT_EQ(meta["provenance"]["lineage"]["compression_gate_initialization"], "zero");
   // The saved student holds its gates; a VSA role built from it loads them ("checkpoint").
   auto w = model::read_weights((fs::path(s.checkpoints.back()) / "student").string());
   EXPECT_TRUE(w.tensors.count("blocks.0.to_gate_compress.weight"));
@@ -127,7 +127,7 @@ TEST_F(VsaTrainFixture, ConfigErrorsNameTheKey) {
 }
 
 TEST_F(VsaTrainFixture, SparseDmd2RecipeRunsTinyOnTheCpu) {
-  // configs/sparse_qad/dmd2.yaml as written, with tiny models, local data and one device.
+  // configs/sparse_qad/stage2_dmd2.yaml as written, with tiny models, local data and one device.
   data::SynthOptions so;
   so.kind = data::DataKind::TextOnly;
   so.text_dim = model::WanConfig::tiny().text_dim;
@@ -137,7 +137,7 @@ TEST_F(VsaTrainFixture, SparseDmd2RecipeRunsTinyOnTheCpu) {
                        {{"negative_prompt", torch::randn({5, model::WanConfig::tiny().text_dim}) * 0.2}});
   const std::string out = (root / "dmd2").string();
   auto run = train::load_run_config(
-      std::string(VQAD_SOURCE_DIR) + "/configs/sparse_qad/dmd2.yaml",
+      std::string(VQAD_SOURCE_DIR) + "/configs/sparse_qad/stage2_dmd2.yaml",
       {"--models.student.init_from", "random:tiny", "--models.teacher.init_from", "random:tiny",
        "--models.critic.init_from", "random:tiny", "--training.distributed.num_gpus", "1",
        "--training.distributed.hsdp_replicate_dim", "1", "--training.data.data_path", (root / "text").string(),

@@ -96,10 +96,12 @@ void register_train_commands(CLI::App& app) {
     auto* sub = app.add_subcommand("lineage", "Print (and verify) the lineage of a checkpoint or export");
     auto path = std::make_shared<std::string>();
     auto verify = std::make_shared<bool>(false);
-    sub->add_option("path", *path, "checkpoint or export directory")->required();
-    sub->add_flag("--verify", *verify, "check ids, file hashes and parents on disk");
+    sub->add_option("path", *path, "checkpoint or export directory, or a metadata JSON file (vqad's or "
+                                   "FastVideo's schema)")->required();
+    sub->add_flag("--verify", *verify, "check ids, parents and stage inits at every level; for a directory also "
+                                       "the file hashes and the parent exports on disk");
     set_action(sub, [=] {
-      auto meta = train::read_metadata(*path);
+      auto meta = train::read_metadata_path(*path);
       std::cout << train::lineage_text(meta);
       if (!*verify) return 0;
       auto problems = train::verify_lineage(*path);

@@ -5,9 +5,6 @@ namespace vqad::train::sections {
 
 namespace {
 
-const char* kRecon = "the layer_recon / recon_ode methods (the trainer refuses them until they land)";
-const char* kShifted = "the shifted ODE schedule of sparse DMD2 (parsed and validated; the sampler does not read it yet)";
-
 KeyDesc target_key() {
   return key("_target_", K::kString, nullptr, "method class or name: " + method_target_choices());
 }
@@ -34,13 +31,13 @@ const SectionSchema& cfg_uncond_schema() {
 const SectionSchema& shifted_ode_schema() {
   static const SectionSchema s{
       "method.shifted_ode_schedule",
-      {planned(key("flow_shift", K::kFloat, 0.0, "schedule shift (> 0)"), kShifted),
-       planned(key("teacher_steps", K::kInt, 0, "teacher ODE steps (> 0)"), kShifted),
-       planned(key("student_steps", K::kInt, 0, "student steps (= number of indices)"), kShifted),
-       planned(key("version", K::kInt, 1, "schedule format version"), kShifted),
-       planned(key("indices", K::kIntList, Json::array(), "teacher step of each student step"), kShifted),
-       planned(key("sigmas", K::kFloatList, Json::array(), "recorded sigmas"), kShifted),
-       planned(key("timesteps", K::kFloatList, Json::array(), "recorded timesteps"), kShifted)}};
+      {key("flow_shift", K::kFloat, 0.0, "schedule shift (> 0)"),
+       key("teacher_steps", K::kInt, 0, "teacher ODE steps (> 0)"),
+       key("student_steps", K::kInt, 0, "student steps (= number of indices)"),
+       key("version", K::kInt, 1, "schedule format version"),
+       key("indices", K::kIntList, Json::array(), "teacher step of each student step"),
+       key("sigmas", K::kFloatList, Json::array(), "recorded sigmas"),
+       key("timesteps", K::kFloatList, Json::array(), "recorded timesteps")}};
   return s;
 }
 
@@ -70,15 +67,14 @@ const SectionSchema& layer_recon_schema() {
   static const LayerReconConfig d;
   static const SectionSchema s{
       "method (layer_recon)",
-      {target_key(), planned(key("group_size", K::kInt, d.group_size, "blocks per reconstruction group"), kRecon),
-       planned(key("energy_floor", K::kFloat, d.energy_floor, "normalizer floor of the relative loss"), kRecon),
-       planned(choice_key("input_source", {"ode_start"}, d.input_source, "inputs of the groups"), kRecon),
-       planned(choice_key("propagation", {"teacher"}, d.propagation, "which model feeds the next group"), kRecon),
-       planned(choice_key("loss", {"mse"}, d.loss, "reconstruction loss"), kRecon),
-       planned(choice_key("trainable_scope", {"quantized_path"}, d.trainable_scope, "which parameters train"),
-               kRecon),
-       planned(key("checkpoint_blocks", K::kBool, d.checkpoint_blocks, "recompute blocks in backward"), kRecon),
-       planned(key("trainable_modules", K::kStringList, d.trainable_modules, "module names that train"), kRecon)}};
+      {target_key(), key("group_size", K::kInt, d.group_size, "blocks per reconstruction group"),
+       key("energy_floor", K::kFloat, d.energy_floor, "normalizer floor of the relative loss"),
+       choice_key("input_source", {"ode_start"}, d.input_source, "inputs of the groups"),
+       choice_key("propagation", {"teacher"}, d.propagation, "which model feeds the next group"),
+       choice_key("loss", {"mse"}, d.loss, "reconstruction loss"),
+       choice_key("trainable_scope", {"quantized_path"}, d.trainable_scope, "which parameters train"),
+       key("checkpoint_blocks", K::kBool, d.checkpoint_blocks, "recompute blocks in backward"),
+       key("trainable_modules", K::kStringList, d.trainable_modules, "module names that train")}};
   return s;
 }
 
@@ -87,16 +83,15 @@ const SectionSchema& recon_ode_schema() {
   static const SectionSchema s{
       "method (recon_ode)",
       {target_key(),
-       planned(key("attention_weight", K::kFloat, d.attention_weight, "weight of the attention reconstruction"),
-               kRecon),
-       planned(key("mlp_weight", K::kFloat, d.mlp_weight, "weight of the MLP reconstruction"), kRecon),
-       planned(key("ode_weight", K::kFloat, d.ode_weight, "weight of the ODE endpoint loss"), kRecon),
-       planned(key("student_steps", K::kInt, d.student_steps, "student steps"), kRecon),
-       planned(choice_key("loss", {"mse"}, d.loss, "loss"), kRecon),
-       planned(choice_key("trainable_scope", {"quantized_path"}, d.trainable_scope, "which parameters train"),
-               kRecon),
-       planned(key("checkpoint_blocks", K::kBool, d.checkpoint_blocks, "recompute blocks in backward"), kRecon),
-       planned(key("trainable_modules", K::kStringList, d.trainable_modules, "module names that train"), kRecon)}};
+       key("attention_weight", K::kFloat, d.attention_weight, "weight of the attention reconstruction"),
+       key("mlp_weight", K::kFloat, d.mlp_weight, "weight of the MLP reconstruction"),
+       key("ode_weight", K::kFloat, d.ode_weight, "weight of the ODE endpoint loss"),
+       key("student_steps", K::kInt, d.student_steps,
+           "student steps: trains on the ODE-cache anchors k * teacher_steps / student_steps"),
+       choice_key("loss", {"mse"}, d.loss, "loss"),
+       choice_key("trainable_scope", {"quantized_path"}, d.trainable_scope, "which parameters train"),
+       key("checkpoint_blocks", K::kBool, d.checkpoint_blocks, "recompute blocks in backward"),
+       key("trainable_modules", K::kStringList, d.trainable_modules, "module names that train")}};
   return s;
 }
 

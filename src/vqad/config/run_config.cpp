@@ -78,6 +78,18 @@ void validate_roles(const Ctx& ctx, const RunConfig& c, const Json& raw_models) 
     key_fail(ctx, "method.rollout_mode",
              "training.data.preprocessed_data_type text_only has no latents; rollout_mode must be simulate, found ",
              rollout_mode_name(c.method.dmd2.rollout_mode));
+  if (c.method.kind == MethodKind::kReconOde) {
+    // recon_ode trains the VSA compression gates: a dense student has none.
+    const auto& tm = c.method.recon_ode.trainable_modules;
+    const auto b = c.models.at("student").attention_backend;
+    const bool vsa = b == AttentionBackend::kVsaTrain || b == AttentionBackend::kVsaTrainC128 ||
+                     b == AttentionBackend::kVsaQatTrainC64 || b == AttentionBackend::kVsaQatTrainC128;
+    if (std::find(tm.begin(), tm.end(), "to_gate_compress") != tm.end() && !vsa)
+      key_fail(ctx, "models.student.attention_backend", "method recon_ode trains the VSA compression gates "
+               "(method.trainable_modules lists to_gate_compress), so the student needs a VSA backend "
+               "(VSA_TRAIN, VSA_TRAIN_C64, VSA_TRAIN_C128, VSA_QAT_TRAIN_C64, VSA_QAT_TRAIN_C128), found ",
+               attention_backend_name(b), "; for a dense student remove to_gate_compress from method.trainable_modules");
+  }
   config::check(c.training.optimizer.learning_rate > 0.0, ctx, "training.optimizer.learning_rate",
                 std::string("method ") + mname + " trains the student; learning_rate must be > 0, found " +
                     config::format_double(c.training.optimizer.learning_rate));

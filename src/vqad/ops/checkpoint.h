@@ -22,4 +22,12 @@ using CheckpointedFn = std::function<torch::Tensor(const std::vector<torch::Tens
 torch::Tensor checkpoint(CheckpointedFn fn, const std::vector<torch::Tensor>& inputs,
                          const std::vector<torch::Tensor>& params);
 
+// Several outputs: returns fn(inputs) (one or more tensors), each differentiable. Outputs
+// that the loss does not use (no incoming gradient) are left out of the recomputed
+// backward, so a block can return its output together with tapped intermediates
+// (reconstruction targets) and still be recomputed instead of keeping its activations.
+using CheckpointedMultiFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>& inputs)>;
+std::vector<torch::Tensor> checkpoint_multi(CheckpointedMultiFn fn, const std::vector<torch::Tensor>& inputs,
+                                            const std::vector<torch::Tensor>& params);
+
 }  // namespace vqad::ops

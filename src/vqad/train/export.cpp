@@ -29,6 +29,8 @@ std::string export_checkpoint(const std::string& checkpoint_dir, const std::stri
   fs::create_directories(tmp / "transformer");
   for (const auto& e : fs::directory_iterator(src))
     if (e.is_regular_file()) fs::copy_file(e.path(), tmp / "transformer" / e.path().filename());
+  for (const char* cfg : {"resolved.yaml", "source.yaml"})  // the run's configs travel with the export
+    if (fs::is_regular_file(fs::path(checkpoint_dir) / cfg)) fs::copy_file(fs::path(checkpoint_dir) / cfg, tmp / cfg);
   meta["checkpoint_state"] = "inference_export";
   meta["export"] = {{"role", role}, {"source_checkpoint", fs::absolute(checkpoint_dir).string()},
                     {"created_at", utc_now_iso()}};

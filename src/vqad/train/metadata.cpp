@@ -3,6 +3,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <map>
+#include <mutex>
+#include <set>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -11,9 +14,13 @@
 #include <sstream>
 
 #include "vqad/core/error.h"
+#include "vqad/core/log.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/core/sha256.h"
+#include "vqad/data/ode_cache.h"
+#include "vqad/model/wan/weights.h"
 #include "vqad/ops/attention.h"
+#include "vqad/ops/vsa_attention.h"
 #include "vqad/train/checkpoint_dir.h"
 #include "vqad/train/methods/registry.h"
 #include "vqad/version.h"
@@ -51,30 +58,39 @@ std::string utc_now_iso() {
   return out;
 }
 
-static nlohmann::json attention_json(const Role& r) {
+namespace {
+
+bool is_qat_backend(AttentionBackend b) {
+  return b == AttentionBackend::kAttnQatTrain || b == AttentionBackend::kVsaQatTrainC64 ||
+         b == AttentionBackend::kVsaQatTrainC128;
+}
+
+nlohmann::json cube_shape_json(AttentionBackend b) {
+  if (!model::is_vsa_backend(b)) return nullptr;
+  const auto cube = ops::vsa_cube_of(b);
+  return {cube.t, cube.h, cube.w};
+}
+
+std::string kernel_family(AttentionBackend b) {
+  if (model::is_vsa_backend(b)) return is_qat_backend(b) ? "vqad_vsa_nvfp4_fake" : "vqad_vsa_bf16";
+  if (b == AttentionBackend::kAttnQatTrain) return "vqad_sm90_dense_nvfp4_fake";
+  return "dense_sdpa";
+}
+
+nlohmann::json precision_json(const Role& r) {
   const AttentionBackend b = r.config.attention_backend;
-  nlohmann::json a;
-  a["backend"] = attention_backend_name(b);
-  const bool vsa = model::is_vsa_backend(b);
-  a["kind"] = vsa ? "vsa" : "dense";
-  a["cube_shape"] = nullptr;
-  if (vsa) {
-    const auto cube = ops::vsa_cube_of(b);
-    const auto& vc = r.model->attention_spec().vsa;
-    a["cube_shape"] = {cube.t, cube.h, cube.w};
-    a["physical_block_tokens"] = vsa_ref::kPhysicalBlockTokens;
-    a["selection"] = {{"mode", ops::vsa_selection_name(vc.selection)}, {"top_p", vc.top_p},
-                      {"sparsity", vc.sparsity}};
-    a["compression_gates"] = {{"module", "to_gate_compress"},
-                              {"initialization", r.compression_gate_initialization}};
-  }
-  const bool qat = b == AttentionBackend::kAttnQatTrain || b == AttentionBackend::kVsaQatTrainC64 ||
-                   b == AttentionBackend::kVsaQatTrainC128;
+  const bool qat = is_qat_backend(b);
   const auto& q = r.model->attention_spec().qat;
   nlohmann::json p;
   p["quantization_aware"] = qat;
   p["compute"] = "BF16";
   p["master_weights"] = "FP32";
+  if (model::is_vsa_backend(b)) {
+    p["coarse"] = "BF16";
+    p["quantize_coarse"] = false;
+    p["fine"] = qat ? "NVFP4 fake-quant with BF16 matmul" : "BF16";
+    p["quantize_fine"] = qat;
+  }
   if (qat) {
     p["qk_format"] = "NVFP4 E2M1, unit scale, 16-channel blocks";
     p["p_format"] = "NVFP4 E2M1 per 16 keys against the running max";
@@ -88,17 +104,263 @@ static nlohmann::json attention_json(const Role& r) {
     p["two_level_p"] = false;
     p["pv_fp8"] = false;
   }
-  a["precision"] = p;
+  return p;
+}
+
+nlohmann::json selection_json(const Role& r) {
+  if (!model::is_vsa_backend(r.config.attention_backend)) return nullptr;
+  const auto& vc = r.model->attention_spec().vsa;
+  return {{"mode", ops::vsa_selection_name(vc.selection)},
+          {"top_p", vc.top_p},
+          {"sparsity", vc.sparsity},
+          {"effective_topk", "max(1, min(ceil((1-sparsity)*num_blocks), num_blocks))"}};
+}
+
+// compression_gates of a VSA student: the module, its initialisation (the role's loader
+// record) and whether it trains: "trained" when the gates are in the trainable scope (or
+// the whole model trains), "frozen" otherwise; null for dense attention.
+nlohmann::json gates_json(const Role& r) {
+  if (!model::is_vsa_backend(r.config.attention_backend)) return nullptr;
+  std::string training = "frozen";
+  if (r.config.trainable) {
+    if (r.trainable_names.empty()) training = "trained";
+    for (const auto& n : r.trainable_names)
+      if (n.find("to_gate_compress") != std::string::npos) training = "trained";
+  }
+  return {{"module", "to_gate_compress"}, {"initialization", r.compression_gate_initialization},
+          {"training", training}};
+}
+
+nlohmann::json attention_json(const RunConfig& run, const Role& r) {
+  const AttentionBackend b = r.config.attention_backend;
+  nlohmann::json a;
+  a["backend"] = attention_backend_name(b);
+  a["kind"] = model::is_vsa_backend(b) ? "vsa" : "dense";
+  a["cube_shape"] = cube_shape_json(b);
+  a["physical_block_tokens"] = model::is_vsa_backend(b) ? nlohmann::json(vsa_ref::kPhysicalBlockTokens) : nlohmann::json(nullptr);
+  a["precision"] = precision_json(r);
+  a["selection"] = selection_json(r);
+  a["compression_gates"] = gates_json(r);
+  a["training_kernel_family"] = kernel_family(b);
   return a;
 }
 
-static nlohmann::json linear_quant_json(const Role& r) {
+nlohmann::json linear_quant_json(const Role& r) {
   if (r.plan.empty()) return nullptr;
   nlohmann::json j = r.plan.to_json();
+  j["kind"] = model::quant_method_name(r.plan.method);
   j["format"] = "NVFP4 W4A4: E2M1 values, 16-element blocks, FP8 E4M3 block scales, FP32 global scale";
-  j["backward"] = "whole-linear straight-through on the saved unquantized X and master W";
-  j["scope"] = "student transformer only";
+  j["forward"] = "dequantized NVFP4 operands, BF16 GEMM with the global-scale alpha, BF16 output";
+  j["backward"] = "whole-linear STE on the saved unquantized X and master W in the gradient dtype";
+  j["master_weights"] = "FP32";
+  j["scope"] = "student transformer only; teacher and critic load with quant_config dropped";
+  const bool qad = r.plan.method == model::QuantMethod::kNvfp4Qad;
+  j["weight_global_scale"] = "dynamic, 448*6/max|W| recomputed every forward from the master weight";
+  j["activation_global_scale"] = qad ? "static (calibrated amax) for FFN linears, unit elsewhere"
+                                     : "dynamic, 448*6/max|X| recomputed every forward";
   return j;
+}
+
+// The parent's attention facts, from vqad's or FastVideo's metadata (same keys).
+struct ParentFacts {
+  bool present = false;
+  std::string backend, kind;
+  nlohmann::json cube_shape = nullptr;
+  bool quantization_aware = false;
+};
+
+ParentFacts parent_facts(const nlohmann::json& pm) {
+  ParentFacts f;
+  if (!pm.is_object()) return f;
+  f.present = true;
+  const auto& a = pm.contains("attention") && pm["attention"].is_object() ? pm["attention"] : nlohmann::json::object();
+  const auto& tc = pm.contains("training_contract") && pm["training_contract"].is_object() ? pm["training_contract"]
+                                                                                           : nlohmann::json::object();
+  f.backend = a.value("backend", tc.value("attention_backend", std::string()));
+  f.kind = a.value("kind", std::string());
+  if (f.kind.empty()) f.kind = f.backend.rfind("VSA", 0) == 0 ? "vsa" : "dense";
+  f.cube_shape = a.contains("cube_shape") ? a["cube_shape"] : nlohmann::json(nullptr);
+  const auto& prec = a.contains("precision") && a["precision"].is_object() ? a["precision"] : nlohmann::json::object();
+  f.quantization_aware = prec.value("quantization_aware", f.backend.find("QAT") != std::string::npos);
+  return f;
+}
+
+std::string read_parent_architecture_text(const std::string& init_from, nlohmann::json* out) {
+  try {
+    const auto src = model::locate_weights(init_from);
+    if (src.config_path.empty()) return "";
+    std::ifstream f(src.config_path);
+    *out = nlohmann::json::parse(f);
+    return src.config_path;
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+nlohmann::json lineage_json(const Role& student) {
+  nlohmann::json lin;
+  const auto pf = parent_facts(student.parent_metadata);
+  const bool vsa = model::is_vsa_backend(student.config.attention_backend);
+  if (student.init_kind == "random")
+    lin["kind"] = "random_initialization";
+  else if (!pf.present)
+    lin["kind"] = "base_model_initialization";
+  else if (pf.kind == "vsa")
+    lin["kind"] = pf.quantization_aware ? "sparse_qat_weight_initialization" : "sparse_weight_initialization";
+  else
+    lin["kind"] = pf.quantization_aware ? "dense_qat_weight_initialization" : "dense_weight_initialization";
+  lin["init_from"] = student.config.init_from;
+  lin["optimizer_state"] = "fresh";
+  // The loader's record: gates zero-filled (a dense parent, random weights) or read from the
+  // parent's weights (seeds/004: "inherited").
+  lin["compression_gate_initialization"] =
+      !vsa ? nlohmann::json(nullptr)
+           : nlohmann::json(student.compression_gate_initialization == "zero" || !pf.present || pf.kind != "vsa"
+                                ? "zero"
+                                : "inherited");
+  if (pf.present) {
+    const auto& c = student.parent_metadata.value("checkpoint", nlohmann::json::object());
+    lin["checkpoint_id"] = c.value("id", "");
+    lin["checkpoint_step"] = c.value("step", student.parent_metadata.value("step", 0));
+    nlohmann::json arch;
+    if (!read_parent_architecture_text(student.config.init_from, &arch).empty()) lin["parent_architecture"] = arch;
+    lin["parent_attention_backend"] = pf.backend;
+    lin["parent_cube_shape"] = pf.cube_shape;
+    lin["parent_quantization_aware"] = pf.quantization_aware;
+    lin["parent_metadata"] = student.parent_metadata;
+  }
+  return lin;
+}
+
+// sha256 of a role's weights: the single safetensors file, or (sharded) the sha256 of
+// the lines "<sha256>  <shard file name>\n" in index order. null for random weights.
+nlohmann::json weights_sha256(const RoleConfig& rc) {
+  if (rc.init_from.rfind("random:", 0) == 0) return nullptr;
+  static std::mutex mu;
+  static std::map<std::string, std::string> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(rc.init_from);
+  if (it != cache.end()) return it->second;
+  const auto src = model::locate_weights(rc.init_from);
+  std::string sha;
+  if (src.kind == model::WeightSource::Kind::kSharded) {
+    std::ifstream f(src.path);
+    auto idx = nlohmann::json::parse(f);
+    std::set<std::string> shards;
+    for (const auto& [k, v] : idx.at("weight_map").items()) shards.insert(v.get<std::string>());
+    std::string lines;
+    for (const auto& s : shards)
+      lines += sha256_file((fs::path(src.transformer_dir) / s).string()) + "  " + s + "\n";
+    sha = sha256_hex(lines);
+  } else {
+    sha = sha256_file(src.path);
+  }
+  cache[rc.init_from] = sha;
+  return sha;
+}
+
+nlohmann::json reference_json(const RoleConfig& teacher) {
+  const AttentionBackend b = teacher.attention_backend;
+  return {{"attention_backend", attention_backend_name(b)},
+          {"attention_kind", model::is_vsa_backend(b) ? "vsa" : "dense"},
+          {"frozen", !teacher.trainable},
+          {"init_from", teacher.init_from},
+          {"linear_quantization", teacher.quant_config == "none" ? nlohmann::json(nullptr)
+                                                                 : nlohmann::json(teacher.quant_config)},
+          {"weights_sha256", weights_sha256(teacher)}};
+}
+
+nlohmann::json cache_json(const RunConfig& run) {
+  const auto& d = run.training.data;
+  if (d.data_path.size() != 1) return nullptr;
+  auto c = data::OdeCache::open(d.data_path[0].path);
+  nlohmann::json j = c.metadata_json();
+  j["path"] = d.data_path[0].path;
+  return j;
+}
+
+nlohmann::json student_init_json(const Role& student, const RoleConfig& teacher, const nlohmann::json& lineage) {
+  nlohmann::json j;
+  j["kind"] = lineage.value("kind", "");
+  j["init_from"] = student.config.init_from;
+  j["checkpoint_step"] = lineage.contains("checkpoint_step") ? lineage["checkpoint_step"] : nlohmann::json(nullptr);
+  j["compression_gate_initialization"] = lineage["compression_gate_initialization"];
+  // The student starts from the reference's own weights (same source, no override).
+  j["initial_weight_equality_with_reference"] = student.config.init_from == teacher.init_from &&
+                                                student.config.transformer_override_safetensor.empty() &&
+                                                student.init_kind != "random";
+  return j;
+}
+
+nlohmann::json recon_supervision(const RunConfig& run, const Role& student, const nlohmann::json& training_schedule) {
+  const RoleConfig& teacher = run.role("teacher");
+  const nlohmann::json lineage = lineage_json(student);
+  nlohmann::json s;
+  s["protocol_version"] = 2;
+  s["method"] = method_name(run.method.kind);
+  s["attention_backend"] = attention_backend_name(student.config.attention_backend);
+  s["attention_kind"] = model::is_vsa_backend(student.config.attention_backend) ? "vsa" : "dense";
+  s["input_source"] = "ode_start";
+  s["input_description"] = "cached_ode_start_latent_and_corresponding_timestep_sigma_without_renoising";
+  s["reference"] = reference_json(teacher);
+  s["cache"] = cache_json(run);
+  s["student_initialization"] = student_init_json(student, teacher, lineage);
+  s["trainable_scope"] = "quantized_path";
+  s["trainable_modules"] = student.trainable_modules;
+  s["trainable_parameters"] = student.trainable_names;
+  s["loss"] = "mse";
+  if (run.method.kind == MethodKind::kLayerRecon) {
+    const auto& l = run.method.layer_recon;
+    s["objective"] = "fixed_teacher_layer_reconstruction";
+    s["propagation"] = "teacher";
+    s["group_size"] = l.group_size;
+    s["energy_floor"] = l.energy_floor;
+    s["checkpoint_blocks"] = l.checkpoint_blocks;
+    s["endpoint_loss"] = false;
+    s["forward_path"] = "teacher_trajectory_input_at_every_group_start_with_in_group_student_propagation_and_"
+                        "identical_frozen_embedding_and_conditioning";
+    s["gradient_scope"] = "group_local_student_quantized_path_groups_of_" + std::to_string(l.group_size);
+    s["normalized_mse_denominator"] =
+        "detached_per_sample_reference_block_update_mean_square_clamped_to_energy_floor";
+    s["reduction"] = "float32_per_sample_token_channel_mean_then_batch_and_layer_mean";
+    s["target"] = "teacher_trajectory_hidden_state_after_each_group_of_blocks";
+  } else {
+    const auto& r = run.method.recon_ode;
+    s["objective"] = "attention_mlp_reconstruction_and_ode_endpoint";
+    s["attention_weight"] = r.attention_weight;
+    s["mlp_weight"] = r.mlp_weight;
+    s["ode_weight"] = r.ode_weight;
+    s["student_steps"] = r.student_steps;
+    s["checkpoint_blocks"] = r.checkpoint_blocks;
+    s["endpoint_loss"] = true;
+    s["endpoint_formula"] = "mean((start_latent - start_sigma * student_velocity - target_latent)^2)";
+    s["reconstruction_normalization"] = "none";
+    s["reduction"] = "attention_and_mlp_each_layer_mean_plus_ode_mean_mse_weighted_sum";
+    s["forward_path"] = "teacher_driven_local_reconstruction_plus_separate_full_student_velocity_forward_both_"
+                        "under_student_sparse_block_selection";
+    s["attention_metadata"] = "student_vsa_metadata_at_recipe_sparsity_for_both_forwards";
+    s["gradient_scope"] = "local_reconstruction_plus_end_to_end_ode_within_student_quantized_path";
+    s["target"] = {"self_attention_post_output_projection_pre_gate_residual", "ffn_pre_gate_residual",
+                   "cached_teacher_final_clean_latent"};
+    s["training_schedule"] = training_schedule;
+    s["cube_shape"] = cube_shape_json(student.config.attention_backend);
+  }
+  return s;
+}
+
+nlohmann::json code_json() {
+  return {{"repo", "vqad"},
+          {"version", VQAD_VERSION},
+          {"commit", build_info::kGitCommit},
+          {"dirty", build_info::kGitDirty},
+          {"policy", "commit-and-dirty-flag-at-configure-time"}};
+}
+
+}  // namespace
+
+nlohmann::json recon_supervision_json(const RunConfig& run, const Role& student,
+                                      const nlohmann::json& training_schedule) {
+  return recon_supervision(run, student, training_schedule);
 }
 
 nlohmann::json build_metadata(const RunConfig& run, const std::map<std::string, std::shared_ptr<Role>>& roles,
@@ -106,72 +368,88 @@ nlohmann::json build_metadata(const RunConfig& run, const std::map<std::string, 
   nlohmann::json m;
   m["metadata_schema"] = kMetadataSchema;
   m["metadata_schema_version"] = kMetadataSchemaVersion;
+  m["step"] = step;
   m["checkpoint"] = {{"id", new_checkpoint_id()}, {"step", step}, {"state", "training"}, {"created_at", utc_now_iso()}};
   m["checkpoint_state"] = "training_dcp";
+  m["code_provenance"] = code_json();
   m["config"] = nlohmann::json::parse(run.resolved.dump());
   m["config_sha256"] = {{"resolved", run.resolved_sha256}, {"source", run.source_sha256}};
   const auto& student = roles.count("student") ? *roles.at("student") : *roles.begin()->second;
   const auto& wc = student.model->config();
   m["model"] = {{"kind", wan_model_kind(wc)}, {"architecture", wc.to_json()}};
-  m["attention"] = attention_json(student);
+  m["attention"] = attention_json(run, student);
 
+  const nlohmann::json lineage = lineage_json(student);
   nlohmann::json contract;
-  contract["attention_backend"] = attention_backend_name(student.config.attention_backend);
-  contract["linear_quantization"] = linear_quant_json(student);
-  contract["precision"] = {{"master_weights", "FP32"},
-                           {"compute", c10::toString(student.model->options().compute_dtype)},
-                           {"layernorm_modulation_rope", "FP32"}};
-  // The method's own account of what it optimizes (methods/registry.h).
-  nlohmann::json sup = method_registration(run).supervision(run, student);
-  sup["method"] = method_name(run.method.kind);
-  contract["supervision"] = sup;
-  nlohmann::json roles_j = nlohmann::json::object(), frozen = nlohmann::json::array(), ckpt = nlohmann::json::array();
-  for (const auto& [name, r] : roles) {
-    roles_j[name] = {{"init_from", r->config.init_from},
-                     {"attention_backend", attention_backend_name(r->config.attention_backend)},
-                     {"trainable", r->config.trainable},
-                     {"flow_shift", r->config.flow_shift},
-                     {"linear_quantization", r->plan.empty() ? "none" : model::quant_method_name(r->plan.method)}};
-    (r->config.trainable ? ckpt : frozen).push_back(name);
-  }
-  contract["distillation"] = {{"roles", roles_j}, {"frozen_roles", frozen}, {"checkpoint_roles", ckpt},
-                              {"method", m["config"].value("method", nlohmann::json::object())}};
+  const AttentionBackend sb = student.config.attention_backend;
+  contract["attention_backend"] = attention_backend_name(sb);
+  contract["attention_kind"] = model::is_vsa_backend(sb) ? "VSA" : "dense";
+  contract["cube_shape"] = cube_shape_json(sb);
+  contract["physical_block_tokens"] = model::is_vsa_backend(sb) ? nlohmann::json(vsa_ref::kPhysicalBlockTokens) : nlohmann::json(nullptr);
+  contract["model_kind"] = wan_model_kind(wc);
+  contract["model_architecture"] = wc.to_json();
+  contract["precision"] = precision_json(student);
+  contract["selection"] = selection_json(student);
+  contract["training_kernel_family"] = kernel_family(sb);
+  contract["kernel_source_commit"] = build_info::kGitCommit;
   nlohmann::json kernels = nlohmann::json::object();
   for (const auto& [path, sha] : build_info::kernel_source_hashes()) kernels[path] = sha;
   contract["kernel_source_files"] = kernels;
+  contract["linear_quantization"] = linear_quant_json(student);
+
+  // The method's own account of what it optimizes (methods/registry.h).
+  const MethodRegistration& reg = method_registration(run);
+  nlohmann::json sup = reg.supervision(run, student);
+  if (!reg.records_distillation) {
+    sup["method"] = method_name(run.method.kind);
+    contract["supervision"] = sup;
+  } else {
+    nlohmann::json roles_j = nlohmann::json::object(), frozen = nlohmann::json::array(),
+                   ckpt = nlohmann::json::array();
+    for (const auto& [name, r] : roles) {
+      roles_j[name] = m["config"]["models"].value(name, nlohmann::json::object());
+      roles_j[name]["linear_quantization"] = r->plan.empty() ? "none" : model::quant_method_name(r->plan.method);
+      (r->config.trainable ? ckpt : frozen).push_back(name);
+    }
+    contract["distillation"] = {{"method_name", method_name(run.method.kind)},
+                                {"roles", roles_j},
+                                {"frozen_roles", frozen},
+                                {"checkpoint_roles", ckpt},
+                                {"method", m["config"].value("method", nlohmann::json::object())},
+                                {"objective", sup}};
+  }
+  contract["direct_lineage"] = lineage;
   m["training_contract"] = contract;
 
-  m["provenance"] = {
-      {"code", {{"repo", "vqad"}, {"version", VQAD_VERSION}, {"commit", build_info::kGitCommit},
-                {"dirty", build_info::kGitDirty}, {"policy", "commit-and-dirty-flag-at-configure-time"}}},
-      {"configs", {{"source", {{"path", "source.yaml"}, {"sha256", run.source_sha256}}},
-                   {"resolved", {{"path", "resolved.yaml"}, {"sha256", run.resolved_sha256}}}}}};
-
-  nlohmann::json lineage;
-  lineage["init_from"] = student.config.init_from;
-  lineage["kind"] = student.init_kind == "random" ? "random_initialization"
-                    : student.init_kind == "vqad_export" ? "vqad_export_initialization"
-                                                         : "pretrained_initialization";
-  lineage["optimizer_state"] = "fresh";
-  if (!student.compression_gate_initialization.empty())
-    lineage["compression_gate_initialization"] = student.compression_gate_initialization;
-  if (!student.parent_metadata.is_null()) {
-    lineage["checkpoint_id"] = student.parent_metadata["checkpoint"].value("id", "");
-    lineage["checkpoint_step"] = student.parent_metadata["checkpoint"].value("step", 0);
-    lineage["parent_metadata"] = student.parent_metadata;
-  } else {
-    lineage["checkpoint_id"] = nullptr;
-    lineage["parent_metadata"] = nullptr;
-  }
-  m["lineage"] = lineage;
+  nlohmann::json configs = {{"resolved", {{"path", "resolved.yaml"}, {"sha256", run.resolved_sha256}}}};
+  configs["source"] = {{"path", run.source_path.empty() ? nlohmann::json(nullptr) : nlohmann::json("source.yaml")},
+                       {"sha256", run.source_sha256}};
+  m["provenance"] = {{"code", code_json()}, {"configs", configs}, {"lineage", lineage}};
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
-  m["run_identity"] = {{"run_name", run.training.tracker.run_name},
-                       {"output_dir", run.training.checkpoint.output_dir},
+  const auto& tr = run.training.tracker;
+  m["run_identity"] = {{"output_dir", run.training.checkpoint.output_dir},
+                       {"tracker", {{"entity", tr.entity}, {"project_name", tr.project_name},
+                                    {"run_name", tr.run_name}, {"trackers", tr.trackers}}},
+                       {"run_name", tr.run_name},
                        {"started_at", run_started_at},
                        {"hostname", host},
                        {"world_size", run.training.distributed.num_gpus}};
   return m;
+}
+
+void write_source_yaml(const RunConfig& run, const std::string& dir) {
+  if (run.source_path.empty()) return;
+  std::ifstream in(run.source_path, std::ios::binary);
+  if (!in.good()) return;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  if (sha256_hex(text) != run.source_sha256) {
+    log::warn(run.source_path, " changed since the run started: source.yaml not written");
+    return;
+  }
+  st::write_file_atomic((fs::path(dir) / "source.yaml").string(), {text});
 }
 
 nlohmann::json hash_files(const std::string& dir) {
@@ -204,45 +482,153 @@ nlohmann::json read_metadata(const std::string& dir) {
   }
 }
 
+namespace {
+
+const nlohmann::json& empty_object() {
+  static const nlohmann::json e = nlohmann::json::object();
+  return e;
+}
+const nlohmann::json& obj(const nlohmann::json& j, const char* key) {
+  return j.is_object() && j.contains(key) && j[key].is_object() ? j[key] : empty_object();
+}
+
+std::string short_method(const nlohmann::json& m) {
+  const auto& tc = obj(m, "training_contract");
+  const auto& sup = obj(tc, "supervision");
+  if (sup.contains("method") && sup["method"].is_string()) return sup["method"].get<std::string>();
+  if (sup.contains("objective") && sup["objective"].is_string()) return sup["objective"].get<std::string>();
+  const auto& dist = obj(tc, "distillation");
+  if (dist.contains("method_name") && dist["method_name"].is_string()) return dist["method_name"].get<std::string>();
+  const auto& cm = obj(obj(m, "config"), "method");
+  if (cm.contains("_target_") && cm["_target_"].is_string()) {
+    const std::string t = cm["_target_"].get<std::string>();
+    return t.substr(t.rfind('.') + 1);
+  }
+  return "?";
+}
+
+std::string linears_of(const nlohmann::json& m) {
+  const auto& tc = obj(m, "training_contract");
+  if (!tc.contains("linear_quantization") || tc["linear_quantization"].is_null()) return "dense";
+  const auto& lq = tc["linear_quantization"];
+  if (lq.is_string()) return lq.get<std::string>();
+  if (lq.contains("kind")) return lq["kind"].get<std::string>();
+  return lq.value("method", "?");
+}
+
+std::string attention_of(const nlohmann::json& m) {
+  const auto& a = obj(m, "attention");
+  if (a.contains("backend") && a["backend"].is_string()) return a["backend"].get<std::string>();
+  return obj(m, "training_contract").value("attention_backend", "?");
+}
+
+std::string str_or(const nlohmann::json& j, const char* key, const std::string& dflt) {
+  return j.is_object() && j.contains(key) && j[key].is_string() ? j[key].get<std::string>() : dflt;
+}
+
+bool known_schema(const std::string& s) {
+  return s == kMetadataSchema || s == kFastVideoMetadataSchema || s == kFastVideoDenseMetadataSchema;
+}
+
+// Structural checks of one level and, recursively, of its embedded parents.
+void verify_structure(const nlohmann::json& m, const std::string& where, std::vector<std::string>& problems) {
+  static const std::regex id_re("ckpt_[0-9a-f]{32}");
+  const std::string schema = str_or(m, "metadata_schema", "");
+  if (!known_schema(schema))
+    problems.push_back(where + ": metadata_schema '" + schema + "' is not one of " + kMetadataSchema + ", " +
+                       kFastVideoMetadataSchema + ", " + kFastVideoDenseMetadataSchema);
+  const auto& c = obj(m, "checkpoint");
+  const std::string id = str_or(c, "id", "");
+  if (!std::regex_match(id, id_re)) problems.push_back(where + ": checkpoint.id '" + id + "' is malformed");
+  if (m.contains("step") && c.contains("step") && m["step"] != c["step"])
+    problems.push_back(where + ": step " + m["step"].dump() + " differs from checkpoint.step " + c["step"].dump());
+  const auto& lin = lineage_of(m);
+  const auto& tc = obj(m, "training_contract");
+  if (tc.contains("direct_lineage") && m.contains("provenance") && obj(m, "provenance").contains("lineage") &&
+      tc["direct_lineage"] != obj(m, "provenance")["lineage"])
+    problems.push_back(where + ": training_contract.direct_lineage differs from provenance.lineage");
+  const auto& student_cfg = obj(obj(obj(m, "config"), "models"), "student");
+  if (student_cfg.contains("init_from") && lin.contains("init_from") && student_cfg["init_from"] != lin["init_from"])
+    problems.push_back(where + ": lineage.init_from " + lin["init_from"].dump() +
+                       " differs from config.models.student.init_from " + student_cfg["init_from"].dump());
+  if (!lin.contains("parent_metadata") || !lin["parent_metadata"].is_object()) return;
+  const auto& parent = lin["parent_metadata"];
+  const auto& pc = obj(parent, "checkpoint");
+  const std::string pwhere = where + " <- parent " + str_or(pc, "id", "?");
+  if (lin.value("checkpoint_id", nlohmann::json()) != pc.value("id", nlohmann::json()))
+    problems.push_back(where + ": lineage.checkpoint_id does not match the parent metadata's checkpoint.id");
+  if (lin.contains("checkpoint_step") && lin["checkpoint_step"] != pc.value("step", nlohmann::json()))
+    problems.push_back(where + ": lineage.checkpoint_step " + lin["checkpoint_step"].dump() +
+                       " does not match the parent's checkpoint.step " + pc.value("step", nlohmann::json()).dump());
+  if (lin.contains("parent_attention_backend") && lin["parent_attention_backend"].is_string() &&
+      lin["parent_attention_backend"].get<std::string>() != attention_of(parent))
+    problems.push_back(where + ": lineage.parent_attention_backend " + lin["parent_attention_backend"].dump() +
+                       " differs from the parent's attention backend " + attention_of(parent));
+  const auto& pprec = obj(obj(parent, "attention"), "precision");
+  if (lin.contains("parent_quantization_aware") && pprec.contains("quantization_aware") &&
+      lin["parent_quantization_aware"] != pprec["quantization_aware"])
+    problems.push_back(where + ": lineage.parent_quantization_aware differs from the parent's attention precision");
+  const auto& parch = obj(obj(parent, "model"), "architecture");
+  const auto& larch = obj(lin, "parent_architecture");
+  for (const auto& [k, v] : parch.items())
+    if (larch.contains(k) && larch[k] != v)
+      problems.push_back(where + ": lineage.parent_architecture." + k + " " + larch[k].dump() +
+                         " differs from the parent's model.architecture " + v.dump());
+  verify_structure(parent, pwhere, problems);
+}
+
+}  // namespace
+
+const nlohmann::json& lineage_of(const nlohmann::json& m) {
+  const auto& prov = obj(m, "provenance");
+  if (prov.contains("lineage") && prov["lineage"].is_object()) return prov["lineage"];
+  return obj(m, "lineage");  // schema version 1
+}
+
+nlohmann::json read_metadata_path(const std::string& path) {
+  if (fs::is_directory(path)) return read_metadata(path);
+  VQAD_CHECK(fs::is_regular_file(path), path, ": no such checkpoint, export or metadata file");
+  std::ifstream f(path);
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    fail(path, ": malformed JSON: ", e.what());
+  }
+}
+
 std::string lineage_text(const nlohmann::json& metadata) {
   std::ostringstream os;
   const nlohmann::json* m = &metadata;
   int depth = 0;
   while (m && m->is_object()) {
-    static const nlohmann::json kEmpty = nlohmann::json::object();
-    const auto& c = m->contains("checkpoint") ? (*m)["checkpoint"] : kEmpty;
-    // A reference into *m (not a copy): the next iteration points into it.
-    const auto& lin = m->contains("lineage") ? (*m)["lineage"] : kEmpty;
-    os << std::string(depth * 2, ' ') << (depth ? "<- " : "") << c.value("id", "?") << "  step "
-       << c.value("step", 0) << "  " << m->value("checkpoint_state", "?") << "  method "
-       << (*m)["training_contract"]["supervision"].value("method", "?") << "  attention "
-       << (*m)["training_contract"].value("attention_backend", "?") << "  linears "
-       << ((*m)["training_contract"]["linear_quantization"].is_null()
-               ? std::string("dense")
-               : (*m)["training_contract"]["linear_quantization"].value("method", "?"))
-       << "\n"
-       << std::string(depth * 2 + (depth ? 3 : 0), ' ') << "init_from " << lin.value("init_from", "?") << " ("
-       << lin.value("kind", "?") << ")\n";
-    if (!lin.contains("parent_metadata") || lin["parent_metadata"].is_null()) break;
+    const auto& c = obj(*m, "checkpoint");
+    const auto& lin = lineage_of(*m);
+    const auto& init = lin.contains("init_from") && lin["init_from"].is_string() ? lin["init_from"].get<std::string>()
+                                                                                 : std::string("?");
+    os << std::string(depth * 2, ' ') << (depth ? "<- " : "") << str_or(c, "id", "?") << "  step "
+       << c.value("step", nlohmann::json(0)).dump() << "  " << str_or(*m, "checkpoint_state", "?") << "  method "
+       << short_method(*m) << "  attention " << attention_of(*m) << "  linears " << linears_of(*m) << "  schema "
+       << str_or(*m, "metadata_schema", "?") << "\n"
+       << std::string(depth * 2 + (depth ? 3 : 0), ' ') << "init_from " << init << " ("
+       << str_or(lin, "kind", "?") << ")\n";
+    if (!lin.contains("parent_metadata") || !lin["parent_metadata"].is_object()) break;
     m = &lin["parent_metadata"];
     ++depth;
   }
   return os.str();
 }
 
-std::vector<std::string> verify_lineage(const std::string& dir) {
+std::vector<std::string> verify_lineage(const std::string& path) {
   std::vector<std::string> problems;
   nlohmann::json m;
   try {
-    m = read_metadata(dir);
+    m = read_metadata_path(path);
   } catch (const Error& e) {
     return {e.what()};
   }
-  static const std::regex id_re("ckpt_[0-9a-f]{32}");
-  const std::string id = m["checkpoint"].value("id", "");
-  if (!std::regex_match(id, id_re)) problems.push_back(dir + ": checkpoint.id '" + id + "' is malformed");
-  if (m.value("metadata_schema", "") != kMetadataSchema)
-    problems.push_back(dir + ": metadata_schema is '" + m.value("metadata_schema", "") + "', expected " + kMetadataSchema);
+  verify_structure(m, path, problems);
+  if (!fs::is_directory(path)) return problems;  // a metadata file alone: structure only
+  const std::string dir = path;
   const auto files = m.value("files", nlohmann::json::object());
   if (files.empty()) problems.push_back(dir + ": metadata lists no files");
   for (const auto& [rel, sha] : files.items()) {
@@ -253,21 +639,27 @@ std::vector<std::string> verify_lineage(const std::string& dir) {
       problems.push_back(p.string() + ": sha256 differs from metadata (file modified)");
     }
   }
-  const auto& lin = m.value("lineage", nlohmann::json::object());
-  if (lin.contains("parent_metadata") && lin["parent_metadata"].is_object()) {
-    const auto& parent = lin["parent_metadata"];
-    const std::string pid = parent["checkpoint"].value("id", "");
-    if (lin.value("checkpoint_id", "") != pid)
-      problems.push_back(dir + ": lineage.checkpoint_id does not match the parent metadata's id");
-    const std::string init = lin.value("init_from", "");
-    fs::path parent_dir = init;
-    if (!fs::is_regular_file(parent_dir / "metadata.json") && fs::is_regular_file(parent_dir.parent_path() / "metadata.json"))
+  // The parent on disk (the export this stage started from) must be the recorded one.
+  const auto& lin = lineage_of(m);
+  if (lin.contains("parent_metadata") && lin["parent_metadata"].is_object() && lin.contains("init_from") &&
+      lin["init_from"].is_string()) {
+    const std::string pid = str_or(obj(lin["parent_metadata"], "checkpoint"), "id", "");
+    fs::path parent_dir = lin["init_from"].get<std::string>();
+    if (!fs::is_regular_file(parent_dir / "metadata.json") &&
+        fs::is_regular_file(parent_dir.parent_path() / "metadata.json"))
       parent_dir = parent_dir.parent_path();
     if (fs::is_regular_file(parent_dir / "metadata.json")) {
       auto on_disk = read_metadata(parent_dir.string());
-      if (on_disk["checkpoint"].value("id", "") != pid)
-        problems.push_back(parent_dir.string() + ": parent on disk has id " + on_disk["checkpoint"].value("id", "") +
-                           ", lineage records " + pid);
+      const std::string did = str_or(obj(on_disk, "checkpoint"), "id", "");
+      if (did != pid)
+        problems.push_back(parent_dir.string() + ": parent on disk has id " + did + ", lineage records " + pid);
+      auto strip = [](nlohmann::json j) {
+        if (j.is_object()) j.erase("files");
+        return j;
+      };
+      if (strip(on_disk) != strip(lin["parent_metadata"]))
+        problems.push_back(parent_dir.string() + ": the parent's metadata on disk differs from the embedded "
+                           "parent_metadata (the stage did not start from this export)");
       auto sub = verify_lineage(parent_dir.string());
       problems.insert(problems.end(), sub.begin(), sub.end());
     }

@@ -58,6 +58,23 @@ ops::AttentionSpec role_attention_spec(const RunConfig& run, const std::string& 
   return spec;
 }
 
+model::WanConfig role_architecture(const RunConfig& run, const std::string& role_name) {
+  const RoleConfig& rc = run.role(role_name);
+  const std::string key = "models." + role_name + ".init_from";
+  const std::string random_prefix = "random:";
+  if (rc.init_from.rfind(random_prefix, 0) == 0) {
+    try {
+      return model::WanConfig::preset(rc.init_from.substr(random_prefix.size()));
+    } catch (const Error& e) {
+      fail(key, ": '", rc.init_from, "': ", e.what());
+    }
+  }
+  VQAD_CHECK(fs::exists(rc.init_from), key, ": '", rc.init_from, "' is not a local path");
+  const auto src = model::locate_weights(rc.init_from);
+  VQAD_CHECK(!src.config_path.empty(), key, ": '", rc.init_from, "' has no transformer config.json");
+  return model::WanConfig::from_file(src.config_path);
+}
+
 static nlohmann::json read_parent_metadata(const std::string& init_from) {
   for (fs::path p : {fs::path(init_from) / "metadata.json", fs::path(init_from).parent_path() / "metadata.json"}) {
     if (fs::is_regular_file(p)) {

@@ -29,6 +29,10 @@ struct Role {
   // start at zero (random init, or a checkpoint without them), "checkpoint" when loaded.
   std::string compression_gate_initialization;
   nlohmann::json parent_metadata;   // metadata.json of a vqad export init_from (else null)
+  // Trainable scope (train/param_groups.h) when the method restricts it: the listed
+  // module names and the resolved trainable parameter names. Empty: every parameter of a
+  // trainable role trains.
+  std::vector<std::string> trainable_modules, trainable_names;
 
   std::vector<torch::Tensor> trainable_parameters() const;
 };
@@ -58,6 +62,11 @@ double vsa_sparsity_at_step(const VsaConfig& vsa, long step);
 // Builds the quant plan of `config` for the model's linears and attaches it.
 std::pair<model::QuantPlan, std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>>
 attach_quant_plan(model::WanModel& model, const model::QuantConfig& config);
+
+// The architecture a role will have, read without loading weights (the preset of
+// random:<preset>, else the transformer config.json of init_from). Errors name
+// models.<role>.init_from.
+model::WanConfig role_architecture(const RunConfig& run, const std::string& role_name);
 
 // Wan model kind for metadata: "wan-t2v-1.3b", "wan-t2v-14b", or "wan-t2v-custom".
 std::string wan_model_kind(const model::WanConfig& c);

@@ -68,6 +68,8 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   const auto& tc = run_.training;
   impl_->registration = &method_registration(run_);
   const MethodRegistration& method = *impl_->registration;
+  // The method's own load-time checks (architecture, ODE-cache schedule), before any weights load.
+  if (method.validate) method.validate(run_);
   // Backends without kernels in this build (e.g. VSA on a GPU without the VSA path) fail here, before any weights load.
   for (const auto& name : run_.method.roles()) {
     const auto b = run_.role(name).attention_backend;
@@ -105,6 +107,7 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   }
   auto student = roles_.at("student");
   VQAD_CHECK(student->config.trainable, "models.student.trainable must be true for ", method.name);
+  if (method.prepare_roles) method.prepare_roles(run_, roles_);  // e.g. the trainable scope, before the optimizers
 
   // Data (parquet rows, synthetic rows or ODE-cache pairs: data::make_dataset decides).
   const auto& mc = student->model->config();
@@ -118,7 +121,7 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   dspec.num_width = tc.data.num_width;
   dspec.cfg_rate = tc.data.training_cfg_rate;
   dspec.seed = tc.data.seed;
-  dspec.ode_anchor_indices = tc.data.ode_anchor_indices;
+  dspec.ode_anchor_indices = method.ode_anchor_indices ? method.ode_anchor_indices(run_) : tc.data.ode_anchor_indices;
   impl_->dataset = data::make_dataset(dspec);
   log::info("data: ", impl_->dataset->description());
   const int64_t dp_rank = impl_->dp ? impl_->dp->dp_rank() : 0, dp_size = impl_->dp ? impl_->dp->dp_size() : 1;
@@ -157,6 +160,12 @@ void Trainer::print_dry_run() const {
               << ", weights+grads+optimizer " << gib << " GiB\n";
     std::cout << "# quant plan (" << name << "): "
               << (role->plan.empty() ? std::string("none (dense linears)\n") : role->plan.to_text());
+    if (!role->trainable_names.empty()) {
+      std::cout << "# trainable parameters (" << name << ", method.trainable_modules";
+      for (const auto& m : role->trainable_modules) std::cout << " " << m;
+      std::cout << "): " << role->trainable_names.size() << "\n";
+      for (const auto& n : role->trainable_names) std::cout << "#   " << n << "\n";
+    }
   }
   std::cout << "# memory estimate (parameters, gradients, optimizer state; activations not included): " << total_gib
             << " GiB\n";
@@ -201,7 +210,10 @@ TrainSummary Trainer::run() {
       metrics.emplace(MetricsWriter::open_for_resume((fs::path(out) / "metrics.jsonl").string(), I.start_step));
     else
       metrics.emplace((fs::path(out) / "metrics.jsonl").string(), false);
-    if (!resume) st::write_file_atomic((fs::path(out) / "resolved.yaml").string(), {run_.resolved_yaml});
+    if (!resume) {
+      st::write_file_atomic((fs::path(out) / "resolved.yaml").string(), {run_.resolved_yaml});
+      write_source_yaml(run_, out);
+    }
   }
   if (I.dp) {
     // Same build and config on every rank, then rank 0's weights everywhere.

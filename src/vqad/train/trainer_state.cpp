@@ -70,6 +70,7 @@ std::string save_trainer_checkpoint(const RunConfig& run, const RoleMap& roles, 
     state["distributed"] = mesh;
     st::write_file_atomic((fs::path(dir) / "trainer_state.json").string(), {state.dump(2) + "\n"});
     st::write_file_atomic((fs::path(dir) / "resolved.yaml").string(), {run.resolved_yaml});
+    write_source_yaml(run, dir);
     auto meta = build_metadata(run, roles, step, started_at);
     meta["distributed"] = mesh;
     write_metadata(dir, meta);

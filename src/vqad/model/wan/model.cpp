@@ -95,10 +95,25 @@ torch::Tensor WanModel::forward_blocks(int64_t begin, int64_t end, torch::Tensor
                                        const WanConditioning& cond, std::vector<BlockTaps>* taps) {
   VQAD_CHECK(0 <= begin && begin <= end && end <= num_blocks(), "Wan model: block range [", begin,
              ", ", end, ") is not inside [0, ", num_blocks(), "]");
-  const bool ckpt = options_.gradient_checkpointing && torch::GradMode::is_enabled() && !taps;
+  // Checkpointing applies with taps too (model.h's note predates this): a tapped block
+  // returns {output, attn_out, ffn_out} from one checkpointed segment and recomputes all
+  // three in backward, so reconstruction losses on the taps keep no block activations.
+  const bool ckpt = options_.gradient_checkpointing && torch::GradMode::is_enabled();
   for (int64_t i = begin; i < end; ++i) {
     WanBlock* blk = block_list_[i].get();
-    if (ckpt) {
+    if (ckpt && taps) {
+      // The tapped tensors are outputs of the checkpointed segment: recomputed in backward
+      // like the block output, differentiable through the same recomputation.
+      auto fn = [blk, grid = cond.grid](const std::vector<torch::Tensor>& in) {
+        BlockTaps tap;
+        auto h = blk->forward_tensors(in[0], in[1], in[2], in[3], in[4], &tap, grid);
+        return std::vector<torch::Tensor>{h, tap.attn_out, tap.ffn_out};
+      };
+      auto outs = ops::checkpoint_multi(fn, {hidden, cond.time_mod, cond.context, cond.rope_cos, cond.rope_sin},
+                                        blk->parameters());
+      hidden = outs[0];
+      taps->push_back(BlockTaps{outs[1], outs[2]});
+    } else if (ckpt) {
       auto fn = [blk, grid = cond.grid](const std::vector<torch::Tensor>& in) {
         return blk->forward_tensors(in[0], in[1], in[2], in[3], in[4], nullptr, grid);
       };

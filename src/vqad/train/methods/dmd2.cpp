@@ -8,6 +8,7 @@
 #include "vqad/dist/batch_random.h"
 #include "vqad/core/log.h"
 #include "vqad/data/text_embeddings.h"
+#include "vqad/sample/schedule.h"
 #include "vqad/train/methods/registry.h"
 #include "vqad/train/sampling.h"
 
@@ -42,8 +43,39 @@ Dmd2Method::Dmd2Method(const RunConfig& run, std::shared_ptr<Role> student, std:
                sc.text_dim, "): the roles must share the latent and text spaces");
   }
   timestep_shift_ = run.pipeline.flow_shift.value_or(student_->config.flow_shift);
-  // Denoising steps: raw timesteps, or warped through the student's grid.
-  for (double s : cfg_.dmd_denoising_steps) {
+  // Denoising steps: the exact shifted schedule, raw timesteps, or warped through the
+  // student's grid.
+  if (cfg_.shifted_ode_schedule.present) {
+    const auto& so = cfg_.shifted_ode_schedule;
+    VQAD_CHECK(!cfg_.warp_denoising_step, "method.warp_denoising_step: must be false with "
+               "method.shifted_ode_schedule (the steps are the schedule's exact timesteps)");
+    const auto full = sample::shifted_schedule(static_cast<float>(so.flow_shift), static_cast<int>(so.teacher_steps));
+    std::vector<float> ts;
+    for (auto i : so.indices) {
+      sigmas_.push_back(full.sigmas[static_cast<size_t>(i)]);
+      ts.push_back(full.timesteps[static_cast<size_t>(i)]);
+    }
+    auto same = [](const std::vector<double>& given, const std::vector<float>& want) {
+      if (given.size() != want.size()) return false;
+      for (size_t k = 0; k < want.size(); ++k)
+        if (static_cast<float>(given[k]) != want[k]) return false;
+      return true;
+    };
+    auto show = [](const std::vector<float>& v) {
+      std::string out;
+      for (float x : v) out += (out.empty() ? "" : ", ") + std::to_string(static_cast<double>(x));
+      return "[" + out + "]";
+    };
+    VQAD_CHECK(so.sigmas.empty() || same(so.sigmas, sigmas_), "method.shifted_ode_schedule.sigmas: the recorded "
+               "sigmas differ from the shifted schedule's (shift ", so.flow_shift, ", ", so.teacher_steps,
+               " steps) at the indices: ", show(sigmas_));
+    VQAD_CHECK(so.timesteps.empty() || same(so.timesteps, ts), "method.shifted_ode_schedule.timesteps: the "
+               "recorded timesteps differ from the shifted schedule's at the indices: ", show(ts));
+    VQAD_CHECK(cfg_.dmd_denoising_steps.empty() || same(cfg_.dmd_denoising_steps, ts),
+               "method.dmd_denoising_steps: must equal the shifted_ode_schedule's timesteps ", show(ts));
+    for (float t : ts) steps_.push_back(static_cast<double>(t));
+  }
+  for (double s : cfg_.shifted_ode_schedule.present ? std::vector<double>{} : cfg_.dmd_denoising_steps) {
     if (!cfg_.warp_denoising_step) {
       steps_.push_back(s);
       continue;
@@ -100,6 +132,50 @@ torch::Tensor Dmd2Method::predict_x0(Role& role, const torch::Tensor& x_t, doubl
   return role.grid.predict_x0(x_t, v, tt);
 }
 
+torch::Tensor Dmd2Method::predict_x0_sigma(Role& role, const torch::Tensor& x_t, double t, float sigma,
+                                           const torch::Tensor& text) {
+  const int64_t B = x_t.size(0);
+  auto tt = torch::full({B}, t, torch::kFloat64);
+  auto v = role.model->forward(x_t, tt.to(x_t.device(), torch::kFloat32), text);
+  return (x_t.to(torch::kFloat32) - sigma * v.to(torch::kFloat32)).to(v.scalar_type());
+}
+
+torch::Tensor Dmd2Method::student_x0(const torch::Tensor& x, size_t i, const torch::Tensor& text) {
+  if (!sigmas_.empty()) return predict_x0_sigma(*student_, x, steps_[i], sigmas_[i], text);
+  return predict_x0(*student_, x, steps_[i], text);
+}
+
+torch::Tensor Dmd2Method::noise_to_step(const torch::Tensor& x0, const torch::Tensor& noise, size_t i) const {
+  if (!sigmas_.empty()) {
+    const float s = sigmas_[i];
+    return ((1.0f - s) * x0.to(torch::kFloat32) + s * noise.to(torch::kFloat32)).to(noise.scalar_type());
+  }
+  return student_->grid.add_noise(x0, noise, torch::full({x0.size(0)}, steps_[i], torch::kFloat64));
+}
+
+torch::Tensor shifted_dmd_sample(model::WanModel& m, const torch::Tensor& noise, const torch::Tensor& text,
+                                 const std::vector<float>& timesteps, const std::vector<float>& sigmas,
+                                 torch::Generator& gen) {
+  VQAD_CHECK(!timesteps.empty() && timesteps.size() == sigmas.size(), "shifted dmd sampler: ", timesteps.size(),
+             " timesteps and ", sigmas.size(), " sigmas");
+  torch::NoGradGuard ng;
+  const auto dtype = m.options().compute_dtype;
+  const int64_t B = noise.size(0);
+  auto x = noise.to(dtype);
+  torch::Tensor x0;
+  for (size_t i = 0; i < timesteps.size(); ++i) {
+    auto t = torch::full({B}, timesteps[i], torch::TensorOptions(torch::kFloat32).device(noise.device()));
+    auto v = m.forward(x, t, text);
+    x0 = x.to(torch::kFloat32) - sigmas[i] * v.to(torch::kFloat32);
+    if (i + 1 < timesteps.size()) {
+      auto fresh = at::randn(noise.sizes(), gen, torch::TensorOptions(torch::kFloat32)).to(noise.device());
+      const float s = sigmas[i + 1];
+      x = ((1.0f - s) * x0.to(dtype).to(torch::kFloat32) + s * fresh.to(dtype).to(torch::kFloat32)).to(dtype);
+    }
+  }
+  return x0;
+}
+
 torch::Tensor Dmd2Method::uncond_text(const torch::Tensor& text) const {
   if (uncond_mode_ == "keep") return text;
   if (uncond_mode_ == "zero") return torch::zeros_like(text);
@@ -127,21 +203,20 @@ torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vecto
   const int64_t n = static_cast<int64_t>(steps_.size());
   const int64_t j = at::randint(0, n, {1}, gen, torch::TensorOptions(torch::kInt64)).item<int64_t>();
   auto noise = dist::randn_batch(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
-  const int64_t B = shape[0];
   torch::Tensor input;
   if (cfg_.rollout_mode == RolloutMode::kDataLatent) {
     VQAD_CHECK(x0_data.defined(), "dmd2 rollout_mode data_latent needs latents; the dataset is text_only "
                "(use rollout_mode: simulate)");
-    input = student_->grid.add_noise(x0_data.to(dev, dtype), noise, torch::full({B}, steps_[j], torch::kFloat64));
+    input = noise_to_step(x0_data.to(dev, dtype), noise, static_cast<size_t>(j));
   } else {
     std::vector<torch::Tensor> kept;
     torch::Tensor x = noise;
     {
       torch::NoGradGuard ng;
       for (int64_t i = 0; i + 1 < n; ++i) {
-        auto x0 = predict_x0(*student_, x, steps_[i], text);
+        auto x0 = student_x0(x, static_cast<size_t>(i), text);
         auto fresh = dist::randn_batch(shape, gen, torch::TensorOptions(torch::kFloat32)).to(dev, dtype);
-        x = student_->grid.add_noise(x0, fresh, torch::full({B}, steps_[i + 1], torch::kFloat64));
+        x = noise_to_step(x0, fresh, static_cast<size_t>(i + 1));
         kept.push_back(x);
       }
     }
@@ -149,7 +224,7 @@ torch::Tensor Dmd2Method::rollout(const torch::Tensor& x0_data, const std::vecto
   }
   // The graded call keeps the caller's grad mode; the critic's rollout has none.
   torch::AutoGradMode mode(grad && torch::GradMode::is_enabled());
-  return predict_x0(*student_, input, steps_[j], text);
+  return student_x0(input, static_cast<size_t>(j), text);
 }
 
 DmdLossParts Dmd2Method::dmd_loss(const torch::Tensor& x0, const torch::Tensor& text, torch::Generator& gen) {
@@ -220,6 +295,7 @@ MethodStepResult Dmd2Method::micro_step(const data::Batch& batch, torch::Generat
 MethodRegistration dmd2_registration() {
   MethodRegistration r;
   r.name = method_name(MethodKind::kDmd2);
+  r.records_distillation = true;
   // The critic's own AdamW: the method's fake_score_* learning rate, betas and schedule
   // (weight decay and eps of training.optimizer).
   r.optimizers = [](const RunConfig& run) {
@@ -251,9 +327,27 @@ MethodRegistration dmd2_registration() {
     if (!d.negative_prompt_embedding.empty()) sup["negative_prompt_embedding"] = d.negative_prompt_embedding;
     return sup;
   };
-  // The few-step DMD sampler on sampling_timesteps (else method.dmd_denoising_steps).
+  // The few-step DMD sampler on sampling_timesteps (else method.dmd_denoising_steps); with
+  // method.shifted_ode_schedule on the schedule's exact fp32 sigmas.
   r.validation_sampler = [](const RunConfig& run) {
     ValidationSampler s;
+    const auto& so = run.method.dmd2.shifted_ode_schedule;
+    if (so.present) {
+      s.name = "shifted DMD sampler (exact sigmas)";
+      const auto full = sample::shifted_schedule(static_cast<float>(so.flow_shift), static_cast<int>(so.teacher_steps));
+      std::vector<float> ts, sig;
+      for (auto i : so.indices) {
+        ts.push_back(full.timesteps[static_cast<size_t>(i)]);
+        sig.push_back(full.sigmas[static_cast<size_t>(i)]);
+      }
+      s.sample = [ts, sig](Role& student, const torch::Tensor& noise, const torch::Tensor& text,
+                           torch::Generator& gen, std::string* description) {
+        auto latents = shifted_dmd_sample(*student.model, noise, text, ts, sig, gen);
+        if (description) *description = "shifted dmd (exact sigmas), timesteps " + nlohmann::json(ts).dump();
+        return latents;
+      };
+      return s;
+    }
     s.name = "DMD sampler";
     std::vector<double> ts = run.callbacks.validation.sampling_timesteps;
     if (ts.empty()) ts = run.method.dmd2.dmd_denoising_steps;

@@ -36,6 +36,13 @@
 //   critic rollout (same draws as a rollout), critic (randint(1000), randn).
 // Noise is drawn in fp32 on the CPU and cast to the compute dtype on the device.
 //
+// With method.shifted_ode_schedule (seeds/004 S2) the denoising steps are the shifted
+// schedule's timesteps at `indices` (sample::shifted_schedule(flow_shift, teacher_steps),
+// fp32), and the rollout's x0 = x - sigma v and re-noising x' = (1 - sigma') x0 + sigma' n
+// use that schedule's fp32 sigmas exactly (not the nearest point of the 1000-point
+// training grid), in fp32. The recorded sigmas / timesteps and dmd_denoising_steps must
+// equal the computed ones (an error names the key otherwise).
+//
 // Differences from FastVideo, on purpose: the DMD gradient and both losses are computed
 // in fp32 (FastVideo computes the critic loss in bf16); the SFT noise that FastVideo's
 // batch preparation draws and throws away is not drawn.
@@ -76,6 +83,8 @@ class Dmd2Method : public TrainingMethod {
   bool updates_student(long step) const { return step % cfg_.generator_update_interval == 0; }
   // The denoising steps after the optional warp.
   const std::vector<double>& denoising_steps() const { return steps_; }
+  // The exact fp32 sigmas of the denoising steps (shifted_ode_schedule), else empty.
+  const std::vector<float>& exact_sigmas() const { return sigmas_; }
   double score_timestep(torch::Generator& gen) const;
   // The student's few-step prediction of x0 for the batch (grad on the last student call
   // only when `grad`); `x0_data` is the batch's latents (data_latent) or undefined.
@@ -84,6 +93,9 @@ class Dmd2Method : public TrainingMethod {
   DmdLossParts dmd_loss(const torch::Tensor& x0, const torch::Tensor& text, torch::Generator& gen);
   // x0 prediction of a role at one timestep (t broadcast over the batch).
   static torch::Tensor predict_x0(Role& role, const torch::Tensor& x_t, double t, const torch::Tensor& text);
+  // The same at an exact sigma: x0 = x_t - sigma v in fp32, returned in v's dtype.
+  static torch::Tensor predict_x0_sigma(Role& role, const torch::Tensor& x_t, double t, float sigma,
+                                        const torch::Tensor& text);
   // The unconditional text the teacher sees for a batch of `b`.
   torch::Tensor uncond_text(const torch::Tensor& text) const;
   // Latent shape [B, 16, T, H, W] of a batch (from its latents, else from training.data).
@@ -97,7 +109,11 @@ class Dmd2Method : public TrainingMethod {
   DataConfig data_;  // latent geometry of text_only batches
   std::shared_ptr<Role> student_, teacher_, critic_;
   std::vector<double> steps_;
+  std::vector<float> sigmas_;  // exact sigmas of steps_ (shifted_ode_schedule), else empty
   double timestep_shift_ = 1.0;
+  // Student x0 at denoising step i, and re-noising of x0 to step i (exact sigmas when set).
+  torch::Tensor student_x0(const torch::Tensor& x, size_t i, const torch::Tensor& text);
+  torch::Tensor noise_to_step(const torch::Tensor& x0, const torch::Tensor& noise, size_t i) const;
   std::string uncond_mode_;     // negative_prompt | zero | keep
   torch::Tensor negative_text_; // [1, L, D] fp32 (negative_prompt mode)
 };
@@ -106,5 +122,13 @@ class Dmd2Method : public TrainingMethod {
 // (safetensors with one [L, D] / [1, L, D] tensor, or a parquet dataset's first row),
 // zero-padded or cropped to text_len -> [1, text_len, text_dim] fp32.
 torch::Tensor load_negative_text(const std::string& path, int64_t text_len, int64_t text_dim);
+
+// The few-step DMD sampler on exact fp32 sigmas: x = noise; for each step i:
+// x0 = x - sigmas[i] v(x, timesteps[i]) (fp32); x = (1 - sigmas[i+1]) x0 + sigmas[i+1] n
+// with fresh n from `gen` until the last step. Returns the last x0 in fp32. Used by the
+// validation of dmd2 with shifted_ode_schedule and of recon_ode.
+torch::Tensor shifted_dmd_sample(model::WanModel& m, const torch::Tensor& noise, const torch::Tensor& text,
+                                 const std::vector<float>& timesteps, const std::vector<float>& sigmas,
+                                 torch::Generator& gen);
 
 }  // namespace vqad::train

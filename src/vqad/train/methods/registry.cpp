@@ -9,6 +9,8 @@ const std::vector<MethodRegistration>& registry() {
   static const std::vector<MethodRegistration> r = {
       sft_registration(),
       dmd2_registration(),
+      layer_recon_registration(),
+      recon_ode_registration(),
   };
   return r;
 }

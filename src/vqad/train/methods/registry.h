@@ -76,6 +76,20 @@ struct MethodRegistration {
   std::function<nlohmann::json(const RunConfig&, const Role& student)> supervision;
   std::function<ValidationSampler(const RunConfig&)> validation_sampler;
   bool mfu_is_student_forward_backward = false;
+  // Optional hooks (unset: nothing to do).
+  // Load-time checks that need more than the config (e.g. the student's architecture read
+  // from init_from, the ODE cache's schedule); run before any weights load.
+  std::function<void(const RunConfig&)> validate;
+  // After the roles are built and before the optimizers: e.g. the trainable scope
+  // (requires_grad on the parameters the method trains; the optimizers take those).
+  std::function<void(const RunConfig&, RoleMap&)> prepare_roles;
+  // The ODE-cache anchors (teacher step indices) the method trains on; they reach the
+  // dataset as training.data.ode_anchor_indices does (an anchor the cache lacks fails
+  // there, naming that key).
+  std::function<std::vector<int64_t>(const RunConfig&)> ode_anchor_indices;
+  // The method is a distillation: its supervision() goes into
+  // training_contract.distillation (with the roles) instead of training_contract.supervision.
+  bool records_distillation = false;
 };
 
 // nullptr when `name` has no implementation in this build.
@@ -88,5 +102,7 @@ std::vector<RoleSpec> method_role_specs(const RunConfig& run);
 // Registrations, one per method file (listed in registry.cpp).
 MethodRegistration sft_registration();
 MethodRegistration dmd2_registration();
+MethodRegistration layer_recon_registration();
+MethodRegistration recon_ode_registration();
 
 }  // namespace vqad::train
