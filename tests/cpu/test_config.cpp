@@ -207,10 +207,23 @@ TEST(Config, Dmd2MethodKeysAndQuantInheritance) {
   EXPECT_EQ(c.role("critic").quant_config, "none");
   EXPECT_FALSE(c.role("teacher").trainable);
   EXPECT_EQ(c.method.roles(), (std::vector<std::string>{"student", "teacher", "critic"}));
-  // Aliases and `<= 0 means every step`.
-  RunConfig e = parse_run_config(kDmd, {"--method.rollout_mode", "sim", "--method.generator_update_interval", "0"});
+  // Aliases; generator_update_interval 0 (which FastVideo coerces to 1) is refused.
+  RunConfig e = parse_run_config(kDmd, {"--method.rollout_mode", "sim"});
   EXPECT_EQ(e.method.dmd2.rollout_mode, RolloutMode::kSimulate);
-  EXPECT_EQ(e.method.dmd2.generator_update_interval, 1);
+  try {
+    parse_run_config(kDmd, {"--method.generator_update_interval", "0"});
+    ADD_FAILURE() << "generator_update_interval 0 was accepted";
+  } catch (const vqad::Error& err) {
+    EXPECT_NE(std::string(err.what()).find("method.generator_update_interval"), std::string::npos) << err.what();
+  }
+  for (const char* g : {"-1", ".nan"}) {
+    try {
+      parse_run_config(kDmd, {"--method.real_score_guidance_scale", g});
+      ADD_FAILURE() << "guidance " << g << " was accepted";
+    } catch (const vqad::Error& err) {
+      EXPECT_NE(std::string(err.what()).find("real_score_guidance_scale"), std::string::npos) << err.what();
+    }
+  }
 }
 
 TEST(Config, MethodTargetTable) {
