@@ -197,6 +197,12 @@ void register_data_commands(CLI::App& app) {
     set_action(sub, [=] {
       SynthOptions o = *so;
       o.kind = parse_data_kind(*kind);
+      // Never mix into (or replace) what is already there.
+      if (fs::exists(*out)) {
+        VQAD_CHECK(fs::is_directory(*out), "data synth: ", *out, " exists and is not a directory");
+        VQAD_CHECK(fs::is_empty(*out), "data synth: ", *out,
+                   " is not empty; write a synthetic dataset into a new or empty directory");
+      }
       auto t0 = std::chrono::steady_clock::now();
       auto files = write_synthetic_dataset(*out, *rows, o, *wo);
       double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "vqad/cli/commands.h"
+#include "vqad/cli/op_inputs.h"
 #include "vqad/core/attention_backend.h"
 #include "vqad/core/error.h"
 #include "vqad/io/tensors.h"
@@ -28,6 +29,7 @@ struct OpAttentionArgs {
   // VSA
   std::string grid, selection = "top-k";
   double sparsity = -1.0, top_p = 1.0;
+  bool strict = false;
 };
 
 // "T,H,W" -> three positive integers.
@@ -128,6 +130,7 @@ int run_op_attention(const OpAttentionArgs& a) {
     VQAD_CHECK(gate.sizes() == q.sizes(), a.input, ": tensor 'gate' must have q's shape ", shape_str(q),
                ", found ", shape_str(gate));
   }
+  check_finite_inputs(a.input, {{"q", q}, {"k", k}, {"v", v}, {"do", d_o}, {"gate", gate}}, a.strict);
   VQAD_CHECK(k.sizes() == v.sizes(), a.input, ": k and v must have the same shape, found k ",
              shape_str(k), ", v ", shape_str(v));
   VQAD_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3), a.input,
@@ -253,6 +256,7 @@ void register_op_attention_commands(CLI::App& app) {
   sub->add_flag("--no-quant-p", args->no_quant_p, "ATTN_QAT_TRAIN / VSA_QAT_TRAIN_*: do not quantize P");
   sub->add_flag("--no-quant-v", args->no_quant_v, "ATTN_QAT_TRAIN / VSA_QAT_TRAIN_*: do not quantize V");
   sub->add_flag("--no-quant-qk", args->no_quant_qk, "ATTN_QAT_TRAIN: do not quantize Q and K");
+  sub->add_flag("--strict", args->strict, "refuse inputs holding NaN/Inf (default: warn)");
   set_action(sub, [args] { return run_op_attention(*args); });
 }
 

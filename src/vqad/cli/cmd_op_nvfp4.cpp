@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "vqad/cli/commands.h"
+#include "vqad/cli/op_inputs.h"
 #include "vqad/core/error.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/io/tensors.h"
@@ -24,6 +25,7 @@ namespace {
 struct Nvfp4QuantizeArgs {
   std::string input, output, mode, device = "cpu";
   double amax = std::nan("");
+  bool strict = false;
 };
 
 std::string shape_str(const std::vector<int64_t>& shape) {
@@ -78,6 +80,7 @@ int run_nvfp4_quantize(const Nvfp4QuantizeArgs& a) {
                ": its last dim must be a multiple of 16 (NVFP4 blocks run along the last dim)");
     // BF16 -> F32 is exact, so quantizing in F32 gives the BF16 input's results.
     const torch::Tensor x = io::tensor_from(in, name).to(device, torch::kFloat).contiguous();
+    check_finite_inputs(a.input, {{name, x}}, a.strict);
     const float s_enc = mode == nvfp4::ScaleMode::kStatic ? static_s_enc : 1.0f;
     const ops::Nvfp4Quantized q = ops::nvfp4_quantize(x, mode, s_enc);
     const torch::Tensor codes = ops::nvfp4_unpack_codes(q.packed_codes).view(x.sizes());
@@ -114,6 +117,7 @@ void register_nvfp4_commands(CLI::App& app) {
       ->required();
   sub->add_option("--amax", args->amax, "calibrated amax for --mode static");
   sub->add_option("--device", args->device, "cpu | cuda")->capture_default_str();
+  sub->add_flag("--strict", args->strict, "refuse inputs holding NaN/Inf (default: warn)");
   set_action(sub, [args] { return run_nvfp4_quantize(*args); });
 }
 

@@ -4,8 +4,10 @@
 #include <iostream>
 
 #include "vqad/cli/commands.h"
+#include "vqad/cli/suggest.h"
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
+#include "vqad/core/signals.h"
 #include "vqad/dist/env.h"
 #include "vqad/dist/process_group.h"
 #include "vqad/train/config.h"
@@ -43,6 +45,18 @@ void register_train_commands(CLI::App& app) {
     auto device = std::make_shared<std::string>("auto");
     auto dry = std::make_shared<bool>(false);
     auto no_progress = std::make_shared<bool>(false);
+    auto opts = std::make_shared<train::TrainerOptions>();
+    auto sync_ckpt = std::make_shared<bool>(false);
+    sub->add_flag("--overwrite-run", opts->overwrite_run,
+                  "start a new run in an output_dir that holds another run (deletes that run's checkpoints and metrics)");
+    auto nondet = std::make_shared<bool>(false);
+    sub->add_flag("--nondeterministic", *nondet,
+                  "GPU: torch's default (faster, not bitwise reproducible) algorithms instead of deterministic ones");
+    sub->add_flag("--sync-checkpoints", *sync_ckpt, "write checkpoints on the training thread (default: in the background)");
+    sub->add_option("--log-every-steps", opts->log_every_steps,
+                    "progress line on stdout every N steps when stdout is not a terminal (default 10; 0: off)");
+    sub->add_option("--log-every-seconds", opts->log_every_s,
+                    "... or every S seconds, whichever comes first (default 60; 0: off)");
     auto dist_timeout = std::make_shared<double>(600.0);
     sub->add_option("config", *config, "recipe YAML")->required();
     sub->add_option("--dist-timeout", *dist_timeout,
@@ -53,9 +67,21 @@ void register_train_commands(CLI::App& app) {
     sub->add_flag("--no-progress", *no_progress, "no progress bar");
     sub->allow_extras();  // --a.b.c value overrides
     set_action(sub, [=] {
+      // A misspelt flag of `vqad train` would otherwise be read as a config override.
+      for (const auto& tok : sub->remaining()) {
+        if (tok.rfind("--", 0) != 0 || tok.find('.') != std::string::npos) continue;
+        std::vector<std::string> flags;
+        for (const CLI::Option* opt : sub->get_options())
+          for (const auto& n : opt->get_lnames()) flags.push_back("--" + n);
+        const std::string best = closest(tok.substr(0, tok.find('=')), flags);
+        fail("unknown flag '", tok, "' of 'vqad train'", best.empty() ? "" : "; did you mean '" + best + "'?",
+             best.empty() ? " (config overrides are --section.key value)" : "");
+      }
       // Overrides are validated with the config before anything is built or loaded.
       auto run = train::load_run_config(*config, sub->remaining());
-      train::TrainerOptions o;
+      train::TrainerOptions o = *opts;
+      o.async_checkpoints = !*sync_ckpt;
+      o.deterministic = !*nondet;
       o.device = train::parse_device(*device);
       o.dry_run = *dry;
       o.progress = !*no_progress;
@@ -79,10 +105,21 @@ void register_train_commands(CLI::App& app) {
           trainer.print_dry_run();
           return 0;
         }
+        install_run_signal_handlers();
         s = trainer.run();
       } catch (const std::exception& e) {
         if (pg) pg->report_failure(e.what());
         throw;
+      }
+      // A stop by signal: rank 0 reports it and where to resume.
+      if (s.stop_signal) {
+        if (env.rank != 0) return 128 + s.stop_signal;
+        std::cout << "stopped by " << signal_name(s.stop_signal) << " after step " << s.last_step;
+        if (!s.checkpoints.empty())
+          std::cout << "; checkpoint " << s.checkpoints.back()
+                    << " (resume with --training.checkpoint.resume_from_checkpoint latest)";
+        std::cout << "\n";
+        return 128 + s.stop_signal;
       }
       if (env.rank != 0) return 0;
       std::cout << "trained steps " << s.first_step << ".." << s.last_step << " in " << s.seconds << " s";

@@ -1,5 +1,6 @@
 // The `callbacks` section (grad_clip, ema, validation; a null entry removes the
 // callback) and the `pipeline` section.
+#include <cmath>
 #include <set>
 
 #include "vqad/config/sections.h"
@@ -139,6 +140,8 @@ CallbacksConfig parse_callbacks(const Ctx& ctx, const Json* node) {
       v.sampling_steps = s.i64_list("sampling_steps");
       v.sampling_timesteps = s.f64_list("sampling_timesteps");
       v.guidance_scale = s.f64("guidance_scale");
+      check(std::isfinite(v.guidance_scale) && v.guidance_scale >= 0.0, ctx, p + ".guidance_scale",
+            "must be finite and >= 0, found " + format_double(v.guidance_scale));
       v.run_at_start = s.boolean("run_at_start");
       v.height = s.i64("height");
       v.width = s.i64("width");

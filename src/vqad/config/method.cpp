@@ -1,4 +1,6 @@
 // The `method` section: `_target_` picks the method; each method kind has its own keys.
+#include <cmath>
+
 #include "vqad/config/sections.h"
 
 namespace vqad::train::sections {
@@ -47,7 +49,7 @@ const SectionSchema& dmd2_schema() {
       {target_key(),
        key("rollout_mode", K::kString, nullptr, "simulate | data_latent (aliases sim, data, vae_latent); required"),
        key("dmd_denoising_steps", K::kFloatList, nullptr, "student timesteps in (0, 1000]; required"),
-       key("generator_update_interval", K::kInt, 1, "student update every N steps (<= 0 means 1)"),
+       key("generator_update_interval", K::kInt, 1, "student update every N steps (>= 1; FastVideo's coercion of 0 to 1 is refused)"),
        key("min_timestep_ratio", K::kFloat, 0.0, "score timestep range lower bound, in [0, 1]"),
        key("max_timestep_ratio", K::kFloat, 1.0, "score timestep range upper bound, in [0, 1]"),
        key("real_score_guidance_scale", K::kFloat, 1.0, "teacher CFG scale"),
@@ -122,7 +124,9 @@ void parse_dmd2(const Ctx& ctx, const Section& s, Dmd2Config& d) {
   for (double t : d.dmd_denoising_steps)
     check(t > 0.0 && t <= 1000.0, ctx, "method.dmd_denoising_steps", "timesteps must be in (0, 1000], found " + fmt(t));
   d.generator_update_interval = s.i64("generator_update_interval");
-  if (d.generator_update_interval <= 0) d.generator_update_interval = 1;
+  // FastVideo coerces 0 to 1; vqad refuses it rather than train something other than asked.
+  check(d.generator_update_interval >= 1, ctx, "method.generator_update_interval",
+        "must be >= 1, found " + std::to_string(d.generator_update_interval));
   d.min_timestep_ratio = s.f64("min_timestep_ratio");
   d.max_timestep_ratio = s.f64("max_timestep_ratio");
   check(0.0 <= d.min_timestep_ratio && d.min_timestep_ratio <= d.max_timestep_ratio && d.max_timestep_ratio <= 1.0,
@@ -130,6 +134,8 @@ void parse_dmd2(const Ctx& ctx, const Section& s, Dmd2Config& d) {
         "need 0 <= min_timestep_ratio <= max_timestep_ratio <= 1, found " + fmt(d.min_timestep_ratio) + " and " +
             fmt(d.max_timestep_ratio));
   d.real_score_guidance_scale = s.f64("real_score_guidance_scale");
+  check(std::isfinite(d.real_score_guidance_scale) && d.real_score_guidance_scale >= 0.0, ctx,
+        "method.real_score_guidance_scale", "must be finite and >= 0, found " + fmt(d.real_score_guidance_scale));
   d.warp_denoising_step = s.boolean("warp_denoising_step");
   if (!s.has("fake_score_learning_rate"))
     fail("config ", ctx.source, ": missing required key 'method.fake_score_learning_rate'");

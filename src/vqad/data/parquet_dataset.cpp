@@ -1,5 +1,7 @@
 #include "vqad/data/parquet_dataset.h"
 
+#include <atomic>
+
 #include <arrow/api.h>
 #include <arrow/io/file.h>
 #include <parquet/arrow/reader.h>
@@ -16,6 +18,7 @@
 #include <set>
 
 #include "vqad/core/error.h"
+#include "vqad/core/log.h"
 #include "vqad/data/arrow_util.h"
 #include "vqad/data/latent_norm.h"
 #include "vqad/data/py_random.h"
@@ -251,6 +254,8 @@ torch::Tensor decode_latent(const RawTensor& raw, const DatasetOptions& o, const
   VQAD_CHECK(s.size() == 4, ctx.col("vae_latent_shape"),
              ": expected a video latent [C, T, H, W], found shape ", shape_str(s));
   const int64_t C = s[0], T = s[1], H = s[2], W = s[3];
+  VQAD_CHECK(C > 0 && T > 0 && H > 0 && W > 0, ctx.col("vae_latent_shape"),
+             ": empty video latent (a zero-length dimension in shape ", shape_str(s), ")");
   if (o.normalize_latents)
     VQAD_CHECK(C == kWanLatentChannels, ctx.col("vae_latent_shape"),
                ": Wan VAE normalization needs 16 channels, found shape ", shape_str(s));
@@ -387,6 +392,13 @@ Sample ParquetDataset::get(int64_t index) const {
   if (options_.text_dim > 0)
     VQAD_CHECK(D == options_.text_dim, ctx.col("text_embedding_shape"), ": expected width ",
                options_.text_dim, ", found shape ", shape_str(text.shape));
+  if (L > options_.text_len) {
+    // Longer than the model's text length: truncated (as FastVideo does), and said so once.
+    static std::atomic<bool> logged{false};
+    if (!logged.exchange(true))
+      log::warn(ctx.col("text_embedding"), ": ", L, " text tokens, the model takes ", options_.text_len,
+                "; keeping the first ", options_.text_len, " (further truncated rows are not reported)");
+  }
   fill_text(s, text.bytes.data(), L, D, options_);
   return s;
 }

@@ -17,6 +17,7 @@
 #include "vqad/ops/nvfp4_packed_linear.h"
 #include "vqad/ops/tensor_text.h"
 #include "vqad/train/checkpoint_dir.h"
+#include "vqad/train/integrity.h"
 #include "vqad/train/metadata.h"
 #include "vqad/train/trainer.h"
 #include "vqad/version.h"
@@ -75,6 +76,8 @@ Source resolve_source(const std::string& path, const std::string& role) {
     fail("export: ", path, " is neither a checkpoint holding role '", role, "' (no ", (p / role / "transformer").string(),
          ") nor a vqad export (transformer/ and metadata.json)");
   }
+  // Packed from the bytes its metadata records, or not at all.
+  train::require_intact(path, "export");
   s.meta = train::read_metadata(path);
   if (s.kind == "export") {
     const auto& ex = s.meta.value("export", nlohmann::json::object());
@@ -190,50 +193,60 @@ ExportSummary export_packed(const Source& src, const std::string& out_dir, const
     linears[e.module] = std::move(info);
   }
 
-  if (fs::exists(out_dir)) VQAD_CHECK(o.overwrite, "export: ", out_dir, " already exists (pass --overwrite to replace it)");
-  const fs::path tmp = fs::path(out_dir).string() + ".tmp-export-" + std::to_string(::getpid());
+  train::check_export_target(out_dir, src.path, o.overwrite);
+  const fs::path tmp = train::export_temp_dir(out_dir);
   fs::remove_all(tmp);
-  fs::create_directories(tmp / "transformer");
-  io::save_safetensors((tmp / "transformer" / "diffusion_pytorch_model.safetensors").string(), tensors,
-                       {{"format", "pt"}, {"quantization", kPackedFormat}});
-  const fs::path cfg_path = src.transformer / "config.json";
-  VQAD_CHECK(fs::is_regular_file(cfg_path), "export: ", src.path, ": no ", cfg_path.string());
-  nlohmann::json cfg = read_json_file(cfg_path);
-  const nlohmann::json qc = modelopt_quantization_config(plan, ignore);
-  cfg["quantization_config"] = qc;
-  st::write_file_atomic((tmp / "transformer" / "config.json").string(), {cfg.dump(2) + "\n"});
-  nlohmann::json hf = {{"producer", qc["producer"]},
-                       {"quantization",
-                        {{"quant_algo", "NVFP4"}, {"kv_cache_quant_algo", nullptr}, {"group_size", 16},
-                         {"exclude_modules", ignore}}}};
-  st::write_file_atomic((tmp / "transformer" / "hf_quant_config.json").string(), {hf.dump(2) + "\n"});
+  try {
+    train::create_dir_or_fail((tmp / "transformer").string(), "export");
+    io::save_safetensors((tmp / "transformer" / "diffusion_pytorch_model.safetensors").string(), tensors,
+                         {{"format", "pt"}, {"quantization", kPackedFormat}});
+    const fs::path cfg_path = src.transformer / "config.json";
+    VQAD_CHECK(fs::is_regular_file(cfg_path), "export: ", src.path, ": no ", cfg_path.string());
+    nlohmann::json cfg = read_json_file(cfg_path);
+    const nlohmann::json qc = modelopt_quantization_config(plan, ignore);
+    cfg["quantization_config"] = qc;
+    st::write_file_atomic((tmp / "transformer" / "config.json").string(), {cfg.dump(2) + "\n"});
+    nlohmann::json hf = {{"producer", qc["producer"]},
+                         {"quantization",
+                          {{"quant_algo", "NVFP4"}, {"kv_cache_quant_algo", nullptr}, {"group_size", 16},
+                           {"exclude_modules", ignore}}}};
+    st::write_file_atomic((tmp / "transformer" / "hf_quant_config.json").string(), {hf.dump(2) + "\n"});
 
-  nlohmann::json meta = src.meta;
-  const nlohmann::json previous_export = meta.value("export", nlohmann::json());
-  meta["checkpoint_state"] = "inference_export";
-  meta["export"] = {{"role", src.role},
-                    {"format", kPackedFormat},
-                    {"source_checkpoint", src.path},
-                    {"source_kind", src.kind},
-                    {"created_at", train::utc_now_iso()},
-                    {"swizzled_scales", o.swizzled_scales},
-                    {"quant_plan", plan.to_json()},
-                    {"packed_linears", linears},
-                    {"layout",
-                     {{"weight", "U8 [N, K/2], E2M1 codes, even k in the low nibble"},
-                      {"weight_scale", "F8_E4M3 [N, K/16] row-major block decode scales (all-zero blocks: 1.0)"},
-                      {"weight_scale_2", "F32 scalar, 1 / s_enc of the weight (amax(bf16 W) / 2688 within an ulp)"},
-                      {"input_scale", "F32 scalar, 1 / s_enc of the activation (static: calibrated amax / 2688 "
-                                      "within an ulp; unit: 1); absent for dynamic activations"},
-                      {"dequantize", "e2m1(code) * f32(weight_scale) * weight_scale_2 == FQ(W) of training"}}},
-                    {"sizes",
-                     {{"quantized_linears", summary.quantized_linears},
-                      {"quantized_parameters", summary.quantized_parameters},
-                      {"quantized_bytes", summary.quantized_bytes},
-                      {"bytes_per_parameter", summary.bytes_per_parameter()}}}};
-  if (!previous_export.is_null()) meta["export"]["source_export"] = previous_export;
-  train::write_metadata(tmp.string(), meta);
-  publish_dir(tmp, out_dir);
+    nlohmann::json meta = src.meta;
+    const nlohmann::json previous_export = meta.value("export", nlohmann::json());
+    meta["checkpoint_state"] = "inference_export";
+    meta["export"] = {{"role", src.role},
+                      {"format", kPackedFormat},
+                      {"source_checkpoint", src.path},
+                      {"source_kind", src.kind},
+                      {"created_at", train::utc_now_iso()},
+                      {"swizzled_scales", o.swizzled_scales},
+                      {"quant_plan", plan.to_json()},
+                      {"packed_linears", linears},
+                      {"layout",
+                       {{"weight", "U8 [N, K/2], E2M1 codes, even k in the low nibble"},
+                        {"weight_scale", "F8_E4M3 [N, K/16] row-major block decode scales (all-zero blocks: 1.0)"},
+                        {"weight_scale_2", "F32 scalar, 1 / s_enc of the weight (amax(bf16 W) / 2688 within an ulp)"},
+                        {"input_scale", "F32 scalar, 1 / s_enc of the activation (static: calibrated amax / 2688 "
+                                        "within an ulp; unit: 1); absent for dynamic activations"},
+                        {"dequantize", "e2m1(code) * f32(weight_scale) * weight_scale_2 == FQ(W) of training"}}},
+                      {"sizes",
+                       {{"quantized_linears", summary.quantized_linears},
+                        {"quantized_parameters", summary.quantized_parameters},
+                        {"quantized_bytes", summary.quantized_bytes},
+                        {"bytes_per_parameter", summary.bytes_per_parameter()}}}};
+    if (!previous_export.is_null()) meta["export"]["source_export"] = previous_export;
+    train::write_metadata(tmp.string(), meta);
+  } catch (const fs::filesystem_error& e) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    fail("export to ", out_dir, ": ", e.code().message(), " (", e.path1().string(), "); nothing was replaced");
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  publish_dir(tmp, out_dir);  // checked above: out_dir is absent, empty or an earlier export
   return summary;
 }
 

@@ -19,6 +19,7 @@
 #include "vqad/train/checkpoint_dir.h"
 #include "vqad/train/config.h"
 #include "vqad/train/flow_matching.h"
+#include "vqad/train/integrity.h"
 #include "vqad/train/metadata.h"
 #include "vqad/train/roles.h"
 #include "vqad/train/sampling.h"
@@ -129,9 +130,12 @@ DemoReport run_demo(const DemoOptions& o) {
     const bool ours = fs::exists(fs::path(o.out) / kDemoMarker);
     VQAD_CHECK(ours || fs::is_empty(o.out), "demo: ", o.out,
                " exists and was not made by vqad demo; choose another --out");
-    if (!o.reuse) fs::remove_all(o.out);
+    // Clear the contents, not the directory itself: --out may be an existing empty
+    // directory (a mount point, or one whose parent this user cannot write).
+    if (!o.reuse)
+      for (const auto& e : fs::directory_iterator(o.out)) fs::remove_all(e.path());
   }
-  fs::create_directories(o.out);
+  create_dir_or_fail(o.out, "demo --out");
   std::ofstream(fs::path(o.out) / kDemoMarker) << "vqad demo output\n";
 
   // Synthetic latent videos (tiny geometry) with caption embeddings for the tiny model.
@@ -151,10 +155,36 @@ DemoReport run_demo(const DemoOptions& o) {
   std::cout << "synthetic data: " << o.train_rows << " train / " << o.heldout_rows << " held-out rows, latents [16, "
             << so.latent_t << ", " << so.latent_h << ", " << so.latent_w << "]" << std::endl;
 
+  // Every stage's recipe is parsed (with the overrides) before the first step of the first stage.
+  struct StageCheck {
+    const char* name;
+    const char* yaml;
+    long steps;
+  };
+  const StageCheck stages[] = {{"teacher", demo_configs::kTeacherYaml, o.teacher_steps},
+                               {"stage1_attn_qat_sft", demo_configs::kStage1Yaml, o.stage1_steps},
+                               {"stage2_dmd", demo_configs::kStage2Yaml, o.stage2 ? o.stage2_steps : -1}};
+  for (const auto& [name, yaml, steps] : stages) {
+    if (steps < 0) continue;
+    std::vector<std::string> ov;
+    if (steps > 0) ov = {"--training.loop.max_train_steps", std::to_string(steps)};
+    if (std::string(name) == "stage2_dmd")
+      for (const auto& kv : o.stage2_set) ov.push_back("--" + kv);
+    try {
+      parse_run_config(substitute(yaml, o.out), ov);
+    } catch (const Error& e) {
+      fail("demo: the ", name, " recipe is invalid with these options: ", e.what());
+    }
+  }
   const std::string teacher_export = (fs::path(o.out) / "teacher_export").string();
   const std::string stage1_export = (fs::path(o.out) / "stage1_export").string();
   const std::string stage2_export = (fs::path(o.out) / "stage2_export").string();
-  auto s0 = run_stage("teacher", demo_configs::kTeacherYaml, o, o.teacher_steps, teacher_export);
+  // On a GPU the stage-1 student runs the ATTN_QAT_TRAIN kernels, which take 128-channel
+  // heads: the demo's tiny models use one such head there (the CPU demo keeps 2 x 32).
+  const std::vector<std::string> teacher_extra =
+      o.device.is_cuda() ? std::vector<std::string>{"models.student.init_from=random:tiny-hd128"}
+                         : std::vector<std::string>{};
+  auto s0 = run_stage("teacher", demo_configs::kTeacherYaml, o, o.teacher_steps, teacher_export, teacher_extra);
   auto s1 = run_stage("stage1_attn_qat_sft", demo_configs::kStage1Yaml, o, o.stage1_steps, stage1_export);
   rep.stage1_export = stage1_export;
   rep.teacher_train_first = mean_of(s0.losses, 0, 10);

@@ -1,7 +1,10 @@
 #include "vqad/train/metadata.h"
+#include "vqad/train/integrity.h"
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -9,9 +12,11 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
@@ -142,6 +147,18 @@ nlohmann::json attention_json(const RunConfig& run, const Role& r) {
   a["selection"] = selection_json(r);
   a["compression_gates"] = gates_json(r);
   a["training_kernel_family"] = kernel_family(b);
+  // What actually runs for this backend on this device (FLASH_ATTN and TORCH_SDPA are the
+  // same dense math; on a CPU both are the fp32 reference).
+  auto params = r.model->parameters();
+  const bool cuda = !params.empty() && params.front().is_cuda();
+  a["device"] = cuda ? "cuda" : "cpu";
+  if (b == AttentionBackend::kAttnQatTrain)
+    a["implementation"] = cuda ? "vqad ATTN_QAT_TRAIN CUDA kernels" : "vqad ATTN_QAT_TRAIN CPU reference";
+  else if (model::is_vsa_backend(b))
+    a["implementation"] = cuda ? "vqad VSA CUDA kernels (kernels/vsa)" : "vqad VSA CPU reference (numerics/vsa_ref)";
+  else
+    a["implementation"] = cuda ? "LibTorch scaled_dot_product_attention (torch selects the kernel)"
+                               : "dense CPU reference (fp32 scores and softmax)";
   return a;
 }
 
@@ -438,21 +455,25 @@ nlohmann::json build_metadata(const RunConfig& run, const std::map<std::string, 
   return m;
 }
 
-void write_source_yaml(const RunConfig& run, const std::string& dir) {
-  if (run.source_path.empty()) return;
+std::optional<std::string> source_yaml_text(const RunConfig& run) {
+  if (run.source_path.empty()) return std::nullopt;
   std::ifstream in(run.source_path, std::ios::binary);
-  if (!in.good()) return;
+  if (!in.good()) return std::nullopt;
   std::stringstream ss;
   ss << in.rdbuf();
-  const std::string text = ss.str();
+  std::string text = ss.str();
   if (sha256_hex(text) != run.source_sha256) {
     log::warn(run.source_path, " changed since the run started: source.yaml not written");
-    return;
+    return std::nullopt;
   }
-  st::write_file_atomic((fs::path(dir) / "source.yaml").string(), {text});
+  return text;
 }
 
-nlohmann::json hash_files(const std::string& dir) {
+void write_source_yaml(const RunConfig& run, const std::string& dir) {
+  if (auto text = source_yaml_text(run)) st::write_file_atomic((fs::path(dir) / "source.yaml").string(), {*text});
+}
+
+nlohmann::json hash_files(const std::string& dir, const std::map<std::string, std::string>& known) {
   nlohmann::json files = nlohmann::json::object();
   std::vector<fs::path> paths;
   for (const auto& e : fs::recursive_directory_iterator(dir))
@@ -461,13 +482,22 @@ nlohmann::json hash_files(const std::string& dir) {
   for (const auto& p : paths) {
     const std::string rel = fs::relative(p, dir).string();
     if (rel == "metadata.json" || rel == kCheckpointMarker) continue;
-    files[rel] = sha256_file(p.string());
+    auto it = known.find(rel);
+    files[rel] = it != known.end() ? it->second : sha256_file(p.string());
   }
   return files;
 }
 
-void write_metadata(const std::string& dir, nlohmann::json metadata) {
-  metadata["files"] = hash_files(dir);
+std::string metadata_sha256(const nlohmann::json& metadata) {
+  if (!metadata.is_object()) return sha256_hex(metadata.dump());
+  nlohmann::json copy = metadata;
+  copy.erase(kMetadataHashKey);
+  return sha256_hex(copy.dump());
+}
+
+void write_metadata(const std::string& dir, nlohmann::json metadata, const std::map<std::string, std::string>& known) {
+  metadata["files"] = hash_files(dir, known);
+  metadata[kMetadataHashKey] = metadata_sha256(metadata);
   st::write_file_atomic((fs::path(dir) / "metadata.json").string(), {metadata.dump(2) + "\n"});
 }
 
@@ -475,11 +505,162 @@ nlohmann::json read_metadata(const std::string& dir) {
   const fs::path p = fs::path(dir) / "metadata.json";
   VQAD_CHECK(fs::is_regular_file(p), dir, ": no metadata.json (not a vqad checkpoint or export)");
   std::ifstream f(p);
+  VQAD_CHECK(f.good(), p.string(), ": cannot be read");
+  nlohmann::json m;
   try {
-    return nlohmann::json::parse(f);
+    m = nlohmann::json::parse(f);
   } catch (const std::exception& e) {
     fail(p.string(), ": malformed JSON: ", e.what());
   }
+  VQAD_CHECK(m.is_object(), p.string(), ": expected a JSON object, found ", m.type_name());
+  return m;
+}
+
+std::string metadata_dir_of(const std::string& path) {
+  if (path.empty()) return "";
+  const fs::path p(path);
+  if (fs::is_regular_file(p / "metadata.json")) return p.string();
+  if (fs::is_regular_file(p.parent_path() / "metadata.json")) return p.parent_path().string();
+  return "";
+}
+
+std::vector<std::string> verify_directory(const std::string& dir, int threads) {
+  std::vector<std::string> problems;
+  nlohmann::json m;
+  try {
+    m = read_metadata(dir);
+  } catch (const Error& e) {
+    return {e.what()};
+  }
+  const std::string mpath = (fs::path(dir) / "metadata.json").string();
+  if (!m.contains(kMetadataHashKey) || !m[kMetadataHashKey].is_string())
+    problems.push_back(mpath + ": no " + kMetadataHashKey + " (unsigned metadata: edits cannot be detected)");
+  else if (const std::string want = m[kMetadataHashKey].get<std::string>(), got = metadata_sha256(m); want != got)
+    problems.push_back(mpath + ": " + kMetadataHashKey + " records " + want + ", the metadata hashes to " + got +
+                       " (metadata.json was edited after it was written)");
+  if (!m.contains("files") || !m["files"].is_object()) {
+    problems.push_back(mpath + ": expected 'files' {path: sha256}, found " +
+                       (m.contains("files") ? std::string(m["files"].type_name()) : std::string("no 'files' key")));
+    return problems;
+  }
+  const auto& files = m["files"];
+  if (files.empty()) problems.push_back(dir + ": metadata lists no files");
+  std::vector<std::pair<std::string, std::string>> todo;  // rel, recorded sha
+  for (const auto& [rel, sha] : files.items()) {
+    const fs::path p = fs::path(dir) / rel;
+    if (!sha.is_string()) {
+      problems.push_back(mpath + ": files['" + rel + "']: expected a sha256 string, found " + sha.dump());
+    } else if (rel.find("..") != std::string::npos || fs::path(rel).is_absolute()) {
+      problems.push_back(mpath + ": files['" + rel + "'] points outside the directory");
+    } else if (!fs::is_regular_file(p)) {
+      problems.push_back(p.string() + ": missing (recorded in metadata)");
+    } else {
+      todo.emplace_back(rel, sha.get<std::string>());
+    }
+  }
+  // Files the metadata does not list: nothing may be added to a checkpoint after it was sealed.
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    if (!it->is_regular_file() && !it->is_symlink()) continue;
+    const std::string rel = fs::relative(it->path(), dir).string();
+    if (rel == "metadata.json" || rel == kCheckpointMarker) continue;
+    if (!files.contains(rel))
+      problems.push_back(it->path().string() + ": not listed in metadata (added after the directory was written)");
+  }
+  // Hash the listed files, largest first, on a few threads (files are independent).
+  std::sort(todo.begin(), todo.end(), [&](const auto& a, const auto& b) {
+    return fs::file_size(fs::path(dir) / a.first) > fs::file_size(fs::path(dir) / b.first);
+  });
+  std::vector<std::string> got(todo.size());
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < todo.size();) {
+      try {
+        got[i] = sha256_file((fs::path(dir) / todo[i].first).string());
+      } catch (const Error& e) {
+        got[i] = std::string("!") + e.what();
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  const int n = std::max(1, std::min<int>(threads, static_cast<int>(todo.size())));
+  for (int t = 1; t < n; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+  for (size_t i = 0; i < todo.size(); ++i) {
+    const std::string p = (fs::path(dir) / todo[i].first).string();
+    if (!got[i].empty() && got[i][0] == '!')
+      problems.push_back(got[i].substr(1));
+    else if (got[i] != todo[i].second)
+      problems.push_back(p + ": sha256 " + got[i] + ", metadata records " + todo[i].second +
+                         " (file modified, truncated or corrupted)");
+  }
+  return problems;
+}
+
+void require_intact(const std::string& dir, const std::string& what) {
+  auto problems = verify_directory(dir);
+  if (problems.empty()) return;
+  std::string msg = what + ": " + dir + " failed its integrity check (" + std::to_string(problems.size()) +
+                    " problem(s)): " + problems[0];
+  for (size_t i = 1; i < problems.size() && i < 4; ++i) msg += "; " + problems[i];
+  if (problems.size() > 4) msg += "; ...";
+  fail(msg);
+}
+
+static nlohmann::json segment_contract(const nlohmann::json& m) {
+  nlohmann::json c = nlohmann::json::object();
+  if (!m.is_object()) return c;
+  const auto tc = m.value("training_contract", nlohmann::json::object());
+  c["attention_backend"] = tc.value("attention_backend", nlohmann::json(nullptr));
+  const auto lq = tc.value("linear_quantization", nlohmann::json(nullptr));
+  c["linear_quantization"] = lq.is_object() ? lq.value("method", nlohmann::json("?")) : nlohmann::json("none");
+  c["precision"] = tc.value("precision", nlohmann::json(nullptr));
+  const auto att = m.value("attention", nlohmann::json::object());
+  c["attention_implementation"] = att.value("implementation", nlohmann::json(nullptr));
+  nlohmann::json roles = nlohmann::json::object();
+  if (tc.contains("distillation") && tc["distillation"].is_object() && tc["distillation"].contains("roles"))
+    for (const auto& [name, r] : tc["distillation"]["roles"].items())
+      if (r.is_object())
+        roles[name] = {{"attention_backend", r.value("attention_backend", nlohmann::json(nullptr))},
+                       {"linear_quantization", r.value("linear_quantization", nlohmann::json(nullptr))},
+                       {"trainable", r.value("trainable", nlohmann::json(nullptr))}};
+  c["roles"] = roles;
+  const auto cfg = m.value("config", nlohmann::json::object());
+  auto at = [&](const char* ptr) {
+    const nlohmann::json::json_pointer jp(ptr);
+    return cfg.contains(jp) ? cfg[jp] : nlohmann::json(nullptr);
+  };
+  c["learning_rate"] = at("/training/optimizer/learning_rate");
+  c["lr_scheduler"] = at("/training/optimizer/lr_scheduler");
+  c["fake_score_learning_rate"] = at("/method/fake_score_learning_rate");
+  return c;
+}
+
+void record_resume_segments(nlohmann::json& metadata, const nlohmann::json& resumed) {
+  nlohmann::json segments = nlohmann::json::array();
+  const nlohmann::json current = segment_contract(metadata);
+  if (resumed.is_object()) {
+    const auto lin = resumed.value("lineage", nlohmann::json::object());
+    if (lin.contains("segments") && lin["segments"].is_array() && !lin["segments"].empty())
+      segments = lin["segments"];
+    else
+      segments.push_back({{"start_step", 1}, {"contract", segment_contract(resumed)}});
+    const auto ck = resumed.value("checkpoint", nlohmann::json::object());
+    const long rstep = ck.value("step", 0L);
+    if (segments.back().value("contract", nlohmann::json()) != current) {
+      segments.push_back({{"start_step", rstep + 1}, {"contract", current}, {"resumed_from", ck.value("id", "")}});
+      log::warn("resuming under a different training contract than checkpoint step ", rstep,
+                " (attention, quantization, precision or learning rate changed): metadata records a new lineage "
+                "segment from step ", rstep + 1);
+    }
+    metadata["lineage"]["resumed_from"] = {{"checkpoint_id", ck.value("id", "")}, {"step", rstep}};
+    metadata["lineage"]["optimizer_state"] = "resumed";
+  } else {
+    segments.push_back({{"start_step", 1}, {"contract", current}});
+  }
+  metadata["lineage"]["segments"] = segments;
 }
 
 namespace {
@@ -629,42 +810,50 @@ std::vector<std::string> verify_lineage(const std::string& path) {
   verify_structure(m, path, problems);
   if (!fs::is_directory(path)) return problems;  // a metadata file alone: structure only
   const std::string dir = path;
-  const auto files = m.value("files", nlohmann::json::object());
-  if (files.empty()) problems.push_back(dir + ": metadata lists no files");
-  for (const auto& [rel, sha] : files.items()) {
-    const fs::path p = fs::path(dir) / rel;
-    if (!fs::is_regular_file(p)) {
-      problems.push_back(p.string() + ": missing (recorded in metadata)");
-    } else if (sha256_file(p.string()) != sha.get<std::string>()) {
-      problems.push_back(p.string() + ": sha256 differs from metadata (file modified)");
-    }
+  // Integrity of the directory: the metadata's own signature, every recorded file's
+  // sha256, and no files that the metadata does not list.
+  {
+    auto v = verify_directory(dir);
+    problems.insert(problems.end(), v.begin(), v.end());
   }
   // The parent on disk (the export this stage started from) must be the recorded one.
   const auto& lin = lineage_of(m);
-  if (lin.contains("parent_metadata") && lin["parent_metadata"].is_object() && lin.contains("init_from") &&
-      lin["init_from"].is_string()) {
+  if (lin.contains("parent_metadata") && lin["parent_metadata"].is_object()) {
     const std::string pid = str_or(obj(lin["parent_metadata"], "checkpoint"), "id", "");
-    fs::path parent_dir = lin["init_from"].get<std::string>();
-    if (!fs::is_regular_file(parent_dir / "metadata.json") &&
-        fs::is_regular_file(parent_dir.parent_path() / "metadata.json"))
-      parent_dir = parent_dir.parent_path();
-    if (fs::is_regular_file(parent_dir / "metadata.json")) {
-      auto on_disk = read_metadata(parent_dir.string());
+    const std::string init = str_or(lin, "init_from", "");
+    const std::string parent_dir = metadata_dir_of(init);
+    if (parent_dir.empty()) {
+      problems.push_back(dir + ": parent " + (init.empty() ? std::string("(no init_from recorded)") : init) +
+                         " (id " + pid + ") is not on disk; the lineage cannot be verified");
+    } else {
+      nlohmann::json on_disk;
+      try {
+        on_disk = read_metadata(parent_dir);
+      } catch (const Error& e) {
+        problems.push_back(e.what());
+        return problems;
+      }
       const std::string did = str_or(obj(on_disk, "checkpoint"), "id", "");
       if (did != pid)
-        problems.push_back(parent_dir.string() + ": parent on disk has id " + did + ", lineage records " + pid);
+        problems.push_back(parent_dir + ": parent on disk has id " + did + ", lineage records " + pid);
       auto strip = [](nlohmann::json j) {
-        if (j.is_object()) j.erase("files");
+        if (j.is_object()) {
+          j.erase("files");
+          j.erase(kMetadataHashKey);
+        }
         return j;
       };
-      if (strip(on_disk) != strip(lin["parent_metadata"]))
-        problems.push_back(parent_dir.string() + ": the parent's metadata on disk differs from the embedded "
+      if (did == pid && strip(on_disk) != strip(lin["parent_metadata"]))
+        problems.push_back(parent_dir + ": the parent's metadata on disk differs from the embedded "
                            "parent_metadata (the stage did not start from this export)");
-      auto sub = verify_lineage(parent_dir.string());
+      auto sub = verify_lineage(parent_dir);
       problems.insert(problems.end(), sub.begin(), sub.end());
     }
   }
   return problems;
 }
+
+nlohmann::json hash_files(const std::string& dir) { return hash_files(dir, {}); }
+void write_metadata(const std::string& dir, nlohmann::json metadata) { write_metadata(dir, std::move(metadata), {}); }
 
 }  // namespace vqad::train

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "vqad/train/config.h"
@@ -51,6 +52,8 @@ nlohmann::json recon_supervision_json(const RunConfig& run, const Role& student,
 // dir/source.yaml: the config file as given (run.source_path), when it still has the
 // bytes whose sha256 the run recorded (else a warning and no file).
 void write_source_yaml(const RunConfig& run, const std::string& dir);
+// The same bytes, or nullopt (no source file, or it changed: a warning).
+std::optional<std::string> source_yaml_text(const RunConfig& run);
 
 // sha256 of every regular file under dir except metadata.json and the completion marker.
 nlohmann::json hash_files(const std::string& dir);

@@ -9,6 +9,8 @@
 #include "vqad/core/log.h"
 #include "vqad/model/wan/weights.h"
 #include "vqad/ops/attention.h"
+#include "vqad/train/integrity.h"
+#include "vqad/train/metadata.h"
 
 namespace fs = std::filesystem;
 
@@ -125,6 +127,8 @@ std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_n
       VQAD_CHECK(fs::exists(rc.init_from), key, ".init_from: '", rc.init_from,
                  "' is not a local path (vqad does not download models: give a local Diffusers "
                  "directory, a vqad export, or random:<tiny|1.3B|14B>)");
+      // A vqad checkpoint or export is used only if its files are the ones its metadata records.
+      if (const std::string md = metadata_dir_of(rc.init_from); !md.empty()) require_intact(md, key + ".init_from");
       model::LoadReport report;
       role->model = model::wan_from_pretrained(rc.init_from, mopt, &report);
       if (role->model->config().gate_compress)
@@ -138,6 +142,9 @@ std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_n
   }
   if (!rc.transformer_override_safetensor.empty() && !rc.disable_custom_init_weights) {
     log::info(key, ": overriding weights from ", rc.transformer_override_safetensor);
+    if (const std::string md = metadata_dir_of(fs::path(rc.transformer_override_safetensor).parent_path().string());
+        !md.empty())
+      require_intact(md, key + ".transformer_override_safetensor");
     const model::LoadReport report =
         model::load_weights(*role->model, model::read_weights(rc.transformer_override_safetensor));
     if (role->model->config().gate_compress)

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -20,7 +21,13 @@
 #include "vqad/dist/data_parallel.h"
 #include "vqad/dist/memory.h"
 #include "vqad/model/wan/model.h"
+#include "vqad/core/signals.h"
+#include "vqad/train/batch_log.h"
 #include "vqad/train/checkpoint_dir.h"
+#include "vqad/train/checkpoint_writer.h"
+#include "vqad/train/determinism.h"
+#include "vqad/train/finite_guard.h"
+#include "vqad/train/integrity.h"
 #include "vqad/train/metadata.h"
 #include "vqad/train/methods/registry.h"
 #include "vqad/train/optimizer.h"
@@ -94,6 +101,7 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   VQAD_CHECK(!tc.data.data_path.empty(), "training.data.data_path: no dataset path given");
   VQAD_CHECK(tc.dit_precision == "fp32", "training.dit_precision: vqad keeps FP32 master weights (found '",
              tc.dit_precision, "')");
+  if (options_.device.is_cuda()) set_deterministic_algorithms(options_.deterministic);
   impl_->started_at = utc_now_iso();
   impl_->gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(tc.data.seed));
 
@@ -104,6 +112,19 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
     ro.device = options_.device;
     ro.seed = seed++;
     roles_[name] = build_role(run_, name, ro);
+  }
+  // The CUDA attention kernels (kernels/attention/attention_qat.h) take head_dim 128 only:
+  // refuse other models here rather than at the first attention call of the first step.
+  constexpr int64_t kCudaAttnQatHeadDim = 128;
+  if (options_.device.is_cuda()) {
+    for (const auto& [name, role] : roles_) {
+      const auto b = role->config.attention_backend;
+      const int64_t hd = role->model->config().attention_head_dim;
+      VQAD_CHECK(b != AttentionBackend::kAttnQatTrain || hd == kCudaAttnQatHeadDim, "models.", name,
+                 ".attention_backend ATTN_QAT_TRAIN on ", options_.device.str(), ": the CUDA kernels support head_dim ",
+                 kCudaAttnQatHeadDim, " only, but this model has attention_head_dim ", hd,
+                 " (use a model with 128-channel heads, e.g. random:tiny-hd128 for a tiny run)");
+    }
   }
   auto student = roles_.at("student");
   VQAD_CHECK(student->config.trainable, "models.student.trainable must be true for ", method.name);
@@ -196,14 +217,27 @@ TrainSummary Trainer::run() {
   auto& I = *impl_;
   TrainSummary summary;
   const std::string out = tc.checkpoint.output_dir;
-  fs::create_directories(out);
+  const bool main_rank = !I.dp || I.dp->is_main();  // logs, metrics and checkpoints
+  // One run per output directory (rank 0 holds the lock for the job); what a dead run left
+  // half-written goes first; a new run refuses a directory holding another run.
+  std::optional<RunLock> lock;
+  if (main_rank) {
+    lock.emplace(out);
+    remove_stale_checkpoint_temps(out);
+    if (tc.checkpoint.resume_from_checkpoint.empty()) prepare_new_run_dir(out, options_.overwrite_run);
+  }
+  if (I.dp) I.dp->barrier("output directory " + out);  // the other ranks read it only once rank 0 holds it
+  CheckpointWriter writer(out, static_cast<int>(tc.checkpoint.checkpoints_total_limit), options_.async_checkpoints);
 
+  // Resume (verified against the checkpoint's recorded hashes before anything is loaded).
   auto resume = resolve_resume(tc.checkpoint.resume_from_checkpoint, out);
+  nlohmann::json resumed_metadata;
   if (resume) {
     log::info("resuming from ", resume->path, " (step ", resume->step, ")");
     I.start_step = load_trainer_checkpoint(*resume, run_, roles_, I.optimizers, *I.loader, I.gen);
+    resumed_metadata = read_metadata(resume->path);
+    writer.set_last_good(resume->path);
   }
-  const bool main_rank = !I.dp || I.dp->is_main();  // logs, metrics and checkpoints
   std::optional<MetricsWriter> metrics;
   if (main_rank) {
     if (resume)
@@ -229,19 +263,25 @@ TrainSummary Trainer::run() {
   const auto t_run = std::chrono::steady_clock::now();
   std::unique_ptr<Progress> bar;
   if (options_.progress && main_rank) bar = std::make_unique<Progress>("train", max_steps - I.start_step, "step");
+  // Batch jobs (stdout not a terminal): progress lines, rank 0 only.
+  BatchLog batch_log(I.start_step, max_steps, main_rank ? options_.log_every_steps : 0,
+                     main_rank ? options_.log_every_s : 0.0);
   summary.first_step = I.start_step + 1;
   long last_saved = -1;
+  // Replicated state: rank 0 snapshots it (its writer thread writes the files), the others
+  // wait for the snapshot.
   auto save = [&](long step) {
-    if (I.dp && !I.dp->is_main()) {  // replicated state: rank 0 writes, the others wait for it
-      I.dp->barrier("checkpoint " + std::to_string(step));
-      last_saved = step;
-      return;
+    if (main_rank) {
+      const nlohmann::json mesh = I.dp ? I.dp->mesh_json() : nlohmann::json{{"world_size", 1}};
+      summary.checkpoint_stall_s += save_trainer_checkpoint(writer, run_, roles_, step, I.optimizers, *I.loader,
+                                                            I.gen, I.started_at, mesh, resumed_metadata);
     }
-    const nlohmann::json mesh = I.dp ? I.dp->mesh_json() : nlohmann::json{{"world_size", 1}};
-    summary.checkpoints.push_back(
-        save_trainer_checkpoint(run_, roles_, out, step, I.optimizers, *I.loader, I.gen, I.started_at, mesh));
     last_saved = step;
     if (I.dp) I.dp->barrier("checkpoint " + std::to_string(step));
+  };
+  auto last_good_text = [&] {
+    writer.wait();
+    return last_good_checkpoint_text(writer.last_good(), out);
   };
   if (I.validation && I.validation->at_start() && I.start_step == 0) metrics->log(0, I.validation->run(0));
 
@@ -260,6 +300,9 @@ TrainSummary Trainer::run() {
     int64_t tokens = 0;
     for (long micro = 0; micro < accum; ++micro) {
       data::Batch batch = I.loader->next();
+      if (auto rows = nonfinite_batch_rows(batch, *I.dataset); !rows.empty())
+        fail("step ", step, ": the batch holds non-finite values (NaN/Inf) in ", rows.size(), " row(s), first: ",
+             rows[0], "; nothing of step ", step, " was saved; ", last_good_text());
       auto r = I.method->micro_step(batch, I.gen, options_.device, step, 1.0 / static_cast<double>(accum));
       for (const auto& [k, v] : r.metrics) rec[k] += v / static_cast<double>(accum);
       for (const auto& [k, v] : r.role_loss) role_loss[k] += v / static_cast<double>(accum);
@@ -298,10 +341,20 @@ TrainSummary Trainer::run() {
         fail("step ", step, ": non-finite ", std::isfinite(rloss) ? "gradient" : "loss", " in role '", name,
              "' (loss ", rloss, ", grad norm ", norm, "); parameters with non-finite gradients:",
              bad.empty() ? std::string(" none") : bad, nbad > 8 ? " ..." : "",
-             ". The weights were not updated; the last checkpoint in ", out, " is intact");
+             ". The weights were not updated and nothing of step ", step, " was saved; ", last_good_text());
       }
       rec["grad_norm/" + name] = norm;
-      rec["lr/" + name] = opt.step();
+      const double lr = opt.step();
+      rec["lr/" + name] = lr;
+      // The update itself (e.g. an infinite LR) may be what turns the weights non-finite.
+      NamedTensors weights;
+      for (const auto& item : role.model->named_parameters(true))
+        if (item.value().requires_grad()) weights.emplace_back(item.key(), item.value());
+      size_t nbad = 0;
+      if (auto bad = nonfinite_tensors(weights, 1, &nbad); !bad.empty())
+        fail("step ", step, ": the optimizer update made ", nbad, " weight tensor(s) of role '", name,
+             "' non-finite (first: ", bad[0], "; loss ", rloss, ", grad norm ", norm, ", lr ", lr,
+             " were finite); nothing of step ", step, " was saved; ", last_good_text());
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec["step_time_s"] = dt;
@@ -328,9 +381,22 @@ TrainSummary Trainer::run() {
       bar->update(1);
     }
     if (save_every > 0 && step % save_every == 0) save(step);
+    batch_log.step(step, loss, dt, tokens, rec["mem_peak_gib"]);
+    int sig = stop_signal();
+    // Every rank stops at the same step when any of them was signalled (SIGTERM stands in
+    // for a signal another rank received).
+    if (I.dp && I.dp->sum(sig ? 1.0 : 0.0, "stop request") > 0 && !sig) sig = SIGTERM;
+    if (sig) {
+      summary.stop_signal = sig;
+      if (main_rank) log::warn(signal_name(sig), " received: stopping after step ", step);
+      break;
+    }
   }
   if (bar) bar->finish();
   if (save_every > 0 && last_saved != summary.last_step && summary.last_step > 0) save(summary.last_step);
+  writer.wait();  // the last checkpoint is on disk (or its failure is thrown) before the run returns
+  if (I.dp) I.dp->barrier("checkpoints written");
+  summary.checkpoints = writer.written();
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_run).count();
   return summary;
 }

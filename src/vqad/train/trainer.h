@@ -30,6 +30,14 @@ struct TrainerOptions {
   torch::Device device = torch::kCPU;
   bool progress = true;         // progress bar on stderr
   bool dry_run = false;         // validate + build + print, no steps
+  bool overwrite_run = false;   // a new run may replace a previous run in output_dir
+  bool async_checkpoints = true;  // checkpoint files written on a background thread
+  // GPU runs: bitwise-reproducible algorithms (train/determinism.h); false: torch's defaults.
+  bool deterministic = true;
+  // Progress lines on stdout when it is not a terminal (batch jobs): every N steps or
+  // M seconds, whichever comes first (0 disables that trigger).
+  long log_every_steps = 10;
+  double log_every_s = 60.0;
 };
 
 struct TrainSummary {
@@ -38,6 +46,8 @@ struct TrainSummary {
   std::vector<double> losses;   // per step run here
   std::vector<std::string> checkpoints;  // written here
   double seconds = 0;
+  int stop_signal = 0;          // SIGTERM / SIGINT that stopped the run early (0: ran to the end)
+  double checkpoint_stall_s = 0;  // training time spent blocked in checkpoint saves
 };
 
 class Trainer {

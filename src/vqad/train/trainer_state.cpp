@@ -1,6 +1,7 @@
 #include "vqad/train/trainer_state.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -50,54 +51,45 @@ std::vector<std::string> checkpointed_roles(const RunConfig& run) {
 }
 }  // namespace
 
-std::string save_trainer_checkpoint(const RunConfig& run, const RoleMap& roles, const std::string& output_dir,
-                                    long step, const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
-                                    torch::Generator& gen, const std::string& started_at,
-                                    const nlohmann::json& mesh) {
-  auto path = write_checkpoint_dir(output_dir, step, [&](const std::string& dir) {
-    nlohmann::json updates = nlohmann::json::object();
-    for (const auto& name : checkpointed_roles(run)) {
-      const fs::path rd = fs::path(dir) / name;
-      model::save_diffusers(*roles.at(name)->model, rd.string());
-      torch::save(*optimizers.at(name).adamw, (rd / "optimizer.pt").string());
-    }
-    for (const auto& [name, o] : optimizers) updates[name] = o.updates;
-    nlohmann::json state;
-    state["step"] = step;
-    state["data"] = loader.state();
-    state["generator_state"] = hex_encode(gen.get_state());
-    state["optimizer_updates"] = updates;
-    state["distributed"] = mesh;
-    st::write_file_atomic((fs::path(dir) / "trainer_state.json").string(), {state.dump(2) + "\n"});
-    st::write_file_atomic((fs::path(dir) / "resolved.yaml").string(), {run.resolved_yaml});
-    write_source_yaml(run, dir);
-    auto meta = build_metadata(run, roles, step, started_at);
-    meta["distributed"] = mesh;
-    write_metadata(dir, meta);
-  });
-  apply_retention(output_dir, static_cast<int>(run.training.checkpoint.checkpoints_total_limit));
-  log::info("checkpoint ", path);
-  return path;
+double save_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles, long step,
+                               const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
+                               torch::Generator& gen, const std::string& started_at, const nlohmann::json& mesh,
+                               const nlohmann::json& resumed_metadata) {
+  nlohmann::json updates = nlohmann::json::object();
+  for (const auto& [name, o] : optimizers) updates[name] = o.updates;
+  nlohmann::json state;
+  state["step"] = step;
+  state["data"] = loader.state();
+  state["generator_state"] = hex_encode(gen.get_state());
+  state["optimizer_updates"] = updates;
+  state["distributed"] = mesh;
+  auto meta = build_metadata(run, roles, step, started_at);
+  meta["distributed"] = mesh;
+  record_resume_segments(meta, resumed_metadata);
+  const char* cublas_ws = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  meta["determinism"] = {{"deterministic_algorithms", at::globalContext().deterministicAlgorithms()},
+                         {"cudnn_deterministic", at::globalContext().deterministicCuDNN()},
+                         {"cublas_workspace_config", cublas_ws ? nlohmann::json(cublas_ws) : nlohmann::json(nullptr)}};
+  return writer.save(step, roles, checkpointed_roles(run), optimizers, std::move(state), run.resolved_yaml,
+                     std::move(meta), source_yaml_text(run).value_or(""));
 }
 
 long load_trainer_checkpoint(const CheckpointEntry& checkpoint, const RunConfig& run, RoleMap& roles,
                              RoleOptimizers& optimizers, data::PrefetchLoader& loader, torch::Generator& gen) {
-  for (const auto& name : checkpointed_roles(run)) {
-    const fs::path rd = fs::path(checkpoint.path) / name;
-    VQAD_CHECK(fs::is_directory(rd), checkpoint.path, ": no weights for role '", name, "'");
-    model::load_weights(*roles.at(name)->model, model::read_weights(rd.string()));
-    torch::load(*optimizers.at(name).adamw, (rd / "optimizer.pt").string());
+  const nlohmann::json state = load_checkpoint_state(checkpoint.path, roles, checkpointed_roles(run), optimizers);
+  const std::string sp = (fs::path(checkpoint.path) / "trainer_state.json").string();
+  try {
+    loader.load_state(state.at("data"));
+  } catch (const nlohmann::json::exception& e) {
+    fail(sp, ": malformed data position: ", e.what());
   }
-  std::ifstream f(fs::path(checkpoint.path) / "trainer_state.json");
-  VQAD_CHECK(f.good(), checkpoint.path, ": trainer_state.json missing");
-  nlohmann::json state = nlohmann::json::parse(f);
-  loader.load_state(state.at("data"));
-  gen.set_state(hex_decode(state.at("generator_state").get<std::string>(), checkpoint.path));
+  gen.set_state(hex_decode(state.at("generator_state").get<std::string>(), sp));
   for (auto& [name, o] : optimizers) {
-    if (state.contains("optimizer_updates") && state["optimizer_updates"].contains(name))
-      o.updates = state["optimizer_updates"][name].get<long>();
-    else
-      o.updates = checkpoint.step;  // checkpoints written before per-role counts: every step updated
+    const bool has = state.contains("optimizer_updates") && state["optimizer_updates"].contains(name);
+    VQAD_CHECK(!has || state["optimizer_updates"][name].is_number_integer(), sp, ": optimizer_updates.", name,
+               " must be an integer, found ", has ? state["optimizer_updates"][name].dump() : "");
+    o.updates = has ? state["optimizer_updates"][name].get<long>()
+                    : checkpoint.step;  // checkpoints written before per-role counts: every step updated
   }
   return checkpoint.step;
 }

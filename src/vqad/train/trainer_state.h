@@ -1,7 +1,9 @@
 // Trainer checkpoints: checkpoint-<step>/ holds, per checkpointed role, its weights
-// (Diffusers layout) and optimizer state (<role>/optimizer.pt), plus trainer_state.json
-// (step, data position, generator state, per-role optimizer update counts),
-// resolved.yaml and metadata.json; written atomically (checkpoint_dir.h).
+// (Diffusers layout) and AdamW state (<role>/optimizer.safetensors), plus
+// trainer_state.json (step, data position, generator state, per-role optimizer update
+// counts, mesh), resolved.yaml and signed metadata.json; snapshotted on the training
+// thread and written (in the background by default) and published atomically by a
+// CheckpointWriter (checkpoint_writer.h). Reading one verifies it first.
 #pragma once
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -11,18 +13,26 @@
 
 #include "vqad/data/loader.h"
 #include "vqad/train/checkpoint_dir.h"
+#include "vqad/train/checkpoint_writer.h"
 #include "vqad/train/optimizer.h"
 
 namespace vqad::train {
 
-// Writes checkpoint-<step> under output_dir, applies checkpoints_total_limit; returns its path.
-std::string save_trainer_checkpoint(const RunConfig& run, const RoleMap& roles, const std::string& output_dir,
-                                    long step, const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
-                                    torch::Generator& gen, const std::string& started_at,
-                                    const nlohmann::json& mesh = nlohmann::json{{"world_size", 1}});
+// Hands checkpoint-<step> to `writer` (which writes it under its output directory and
+// applies checkpoints_total_limit). Refuses non-finite weights / optimizer state. The
+// metadata records the mesh, the determinism settings in effect and, for a resumed run,
+// the lineage segments (`resumed_metadata`: metadata of the checkpoint resumed from, or
+// null). Returns the seconds the caller was blocked. Only rank 0 of a multi-process run
+// calls it (the state is replicated).
+double save_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles, long step,
+                               const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
+                               torch::Generator& gen, const std::string& started_at,
+                               const nlohmann::json& mesh = nlohmann::json{{"world_size", 1}},
+                               const nlohmann::json& resumed_metadata = nullptr);
 
-// Restores the checkpointed roles' weights and optimizers, the data position, the
-// generator and the update counts; returns the checkpoint's step.
+// Verifies the checkpoint against its metadata, then restores the checkpointed roles'
+// weights and optimizers, the data position, the generator and the update counts;
+// returns the checkpoint's step. Every failure is one vqad::Error naming the file.
 long load_trainer_checkpoint(const CheckpointEntry& checkpoint, const RunConfig& run, RoleMap& roles,
                              RoleOptimizers& optimizers, data::PrefetchLoader& loader, torch::Generator& gen);
 

@@ -74,7 +74,16 @@ WanConfig WanConfig::preset(const std::string& name) {
   if (name == "1.3B") return wan_1_3b();
   if (name == "14B") return wan_14b();
   if (name == "tiny") return tiny();
-  fail("Wan model preset '", name, "' is unknown; valid presets: 1.3B, 14B, tiny");
+  if (name == "tiny-hd128") {
+    // The tiny model with the head dimension of the CUDA attention kernels (128): one
+    // head of 128 channels, so tiny runs (the demo, tests) can use ATTN_QAT_TRAIN on a GPU.
+    WanConfig c = tiny();
+    c.num_attention_heads = 1;
+    c.attention_head_dim = 128;
+    c.ffn_dim = 256;
+    return c;
+  }
+  fail("Wan model preset '", name, "' is unknown; valid presets: 1.3B, 14B, tiny, tiny-hd128");
 }
 
 WanConfig WanConfig::from_json(const json& j, const std::string& where) {

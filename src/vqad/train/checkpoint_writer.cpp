@@ -1,0 +1,367 @@
+#include "vqad/train/checkpoint_writer.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "vqad/core/error.h"
+#include "vqad/core/file_io.h"
+#include "vqad/core/log.h"
+#include "vqad/io/tensors.h"
+#include "vqad/model/wan/weights.h"
+#include "vqad/train/checkpoint_dir.h"
+#include "vqad/train/finite_guard.h"
+#include "vqad/train/metadata.h"
+
+namespace fs = std::filesystem;
+
+namespace vqad::train {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+constexpr const char* kWeightsFile = "transformer/diffusion_pytorch_model.safetensors";
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+
+// The tensors a role's checkpoint holds: weights (all parameters) and the AdamW state of
+// the parameters its optimizer has updated. `opt_state` entries are (param name + ".exp_avg" ...).
+struct RoleTensors {
+  NamedTensors weights, opt_state;
+  std::vector<std::pair<std::string, int64_t>> steps;
+};
+
+RoleTensors role_tensors(const Role& role, const torch::optim::AdamW& opt) {
+  RoleTensors rt;
+  for (const auto& item : role.model->named_parameters(true)) {
+    rt.weights.emplace_back(item.key(), item.value().detach());
+    auto it = opt.state().find(item.value().unsafeGetTensorImpl());
+    if (it == opt.state().end()) continue;  // never updated yet
+    const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    rt.opt_state.emplace_back(item.key() + ".exp_avg", st.exp_avg());
+    rt.opt_state.emplace_back(item.key() + ".exp_avg_sq", st.exp_avg_sq());
+    if (st.max_exp_avg_sq().defined()) rt.opt_state.emplace_back(item.key() + ".max_exp_avg_sq", st.max_exp_avg_sq());
+    rt.steps.emplace_back(item.key() + ".step", st.step());
+  }
+  return rt;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+struct HostStaging::Pending {
+  std::vector<c10::Event> events;
+};
+
+torch::Tensor HostStaging::stage(const std::string& key, const torch::Tensor& src) {
+  torch::NoGradGuard ng;
+  const auto s = src.detach();
+  auto it = buffers_.find(key);
+  if (it == buffers_.end() || it->second.sizes() != s.sizes() || it->second.scalar_type() != s.scalar_type()) {
+    auto opts = torch::TensorOptions().dtype(s.scalar_type()).device(torch::kCPU);
+    if (s.is_cuda()) opts = opts.pinned_memory(true);
+    buffers_[key] = torch::empty(s.sizes(), opts);
+  }
+  auto& buf = buffers_[key];
+  buf.copy_(s, /*non_blocking=*/s.is_cuda());
+  if (s.is_cuda() && std::find(devices_.begin(), devices_.end(), s.device()) == devices_.end())
+    devices_.push_back(s.device());
+  return buf;
+}
+
+void HostStaging::record() {
+  pending_ = std::make_shared<Pending>();
+  for (const auto& d : devices_) {
+    c10::impl::VirtualGuardImpl impl(d.type());
+    c10::Event ev(d.type());
+    ev.record(impl.getStream(d));
+    pending_->events.push_back(std::move(ev));
+  }
+  devices_.clear();
+}
+
+void HostStaging::synchronize() {
+  if (!pending_) return;
+  for (auto& e : pending_->events) e.synchronize();
+  pending_.reset();
+}
+
+size_t HostStaging::bytes() const {
+  size_t n = 0;
+  for (const auto& [_, t] : buffers_) n += t.nbytes();
+  return n;
+}
+
+std::vector<std::string_view> safetensors_parts(const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+                                                const std::map<std::string, std::string>& metadata,
+                                                std::string* header) {
+  std::vector<const std::pair<std::string, torch::Tensor>*> order;
+  for (const auto& t : tensors) {
+    VQAD_CHECK(t.second.device().is_cpu() && t.second.is_contiguous(), "checkpoint: tensor '", t.first,
+               "' is not a contiguous host tensor");
+    order.push_back(&t);
+  }
+  std::stable_sort(order.begin(), order.end(), [](const auto* a, const auto* b) {
+    const size_t sa = a->second.element_size(), sb = b->second.element_size();
+    return sa != sb ? sa > sb : a->first < b->first;
+  });
+  nlohmann::json h = nlohmann::json::object();
+  if (!metadata.empty()) h["__metadata__"] = metadata;
+  size_t offset = 0;
+  for (const auto* t : order) {
+    const size_t n = t->second.nbytes();
+    h[t->first] = {{"dtype", st::dtype_name(io::to_st_dtype(t->second.scalar_type(), t->first))},
+                   {"shape", t->second.sizes().vec()},
+                   {"data_offsets", {offset, offset + n}}};
+    offset += n;
+  }
+  std::string text = h.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t len = text.size();
+  header->clear();
+  for (int i = 0; i < 8; ++i) header->push_back(static_cast<char>(len >> (8 * i)));
+  *header += text;
+  std::vector<std::string_view> parts{*header};
+  for (const auto* t : order)
+    parts.emplace_back(static_cast<const char*>(t->second.data_ptr()), t->second.nbytes());
+  return parts;
+}
+
+// ---------------------------------------------------------------------------------------
+CheckpointWriter::CheckpointWriter(std::string output_dir, int retention_limit, bool async)
+    : output_dir_(std::move(output_dir)), retention_(retention_limit), async_(async) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    log::error(e.what());
+  }
+}
+
+std::string CheckpointWriter::last_good() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return last_good_;
+}
+void CheckpointWriter::set_last_good(std::string path) {
+  std::lock_guard<std::mutex> g(mu_);
+  last_good_ = std::move(path);
+}
+std::vector<std::string> CheckpointWriter::written() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return written_;
+}
+
+void CheckpointWriter::wait() {
+  if (worker_.joinable()) worker_.join();
+  if (!error_) return;
+  auto err = error_;
+  error_ = nullptr;
+  const long step = in_flight_step_;
+  try {
+    std::rethrow_exception(err);
+  } catch (const std::exception& e) {
+    fail("checkpoint-", step, " was not written: ", e.what(), "; ", last_good_checkpoint_text(last_good(), output_dir_));
+  }
+}
+
+void CheckpointWriter::run_write(long step, std::vector<SnapshotFile> files, nlohmann::json metadata) {
+  const auto t0 = std::chrono::steady_clock::now();
+  staging_.synchronize();
+  std::map<std::string, std::string> known;
+  size_t bytes = 0;
+  const std::string path = write_checkpoint_dir(output_dir_, step, [&](const std::string& dir) {
+    for (const auto& f : files) {
+      const fs::path p = fs::path(dir) / f.rel;
+      create_dir_or_fail(p.parent_path().string(), "checkpoint");
+      std::string header;
+      const auto parts = f.safetensors ? safetensors_parts(f.tensors, f.st_metadata, &header)
+                                       : std::vector<std::string_view>{f.bytes};
+      known[f.rel] = write_file_hashed(p.string(), parts);
+      for (auto part : parts) bytes += part.size();
+    }
+    write_metadata(dir, std::move(metadata), known);
+  });
+  apply_retention(output_dir_, retention_);
+  std::lock_guard<std::mutex> g(mu_);
+  last_good_ = path;
+  written_.push_back(path);
+  last_write_s_ = seconds_since(t0);
+  last_bytes_ = bytes;
+  log::info("checkpoint ", path, " (", static_cast<double>(bytes) / (1 << 20), " MiB in ", last_write_s_, " s)");
+}
+
+double CheckpointWriter::save_files(long step,
+                                    const std::function<void(HostStaging&, std::vector<SnapshotFile>&)>& build,
+                                    nlohmann::json metadata) {
+  const auto t0 = std::chrono::steady_clock::now();
+  wait();
+  std::vector<SnapshotFile> files;
+  build(staging_, files);
+  staging_.record();
+  in_flight_step_ = step;
+  if (!async_) {
+    try {
+      run_write(step, std::move(files), std::move(metadata));
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+    wait();
+    return seconds_since(t0);
+  }
+  worker_ = std::thread([this, step, files = std::move(files), metadata = std::move(metadata)]() mutable {
+    try {
+      run_write(step, std::move(files), std::move(metadata));
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  });
+  return seconds_since(t0);
+}
+
+double CheckpointWriter::save(long step, const RoleMap& roles, const std::vector<std::string>& checkpointed,
+                              const RoleOptimizers& optimizers, nlohmann::json trainer_state,
+                              const std::string& resolved_yaml, nlohmann::json metadata,
+                              const std::string& source_yaml) {
+  wait();  // the last good checkpoint must be known before anything below can fail
+  std::map<std::string, RoleTensors> per_role;
+  for (const auto& name : checkpointed) {
+    VQAD_CHECK(roles.count(name) && optimizers.count(name), "checkpoint-", step, ": role '", name,
+               "' is checkpointed but has no model or optimizer");
+    per_role[name] = role_tensors(*roles.at(name), *optimizers.at(name).adamw);
+    NamedTensors all = per_role[name].weights;
+    all.insert(all.end(), per_role[name].opt_state.begin(), per_role[name].opt_state.end());
+    size_t count = 0;
+    auto bad = nonfinite_tensors(all, 4, &count);
+    if (!bad.empty()) {
+      std::string list;
+      for (const auto& b : bad) list += (list.empty() ? "" : ", ") + b;
+      fail("step ", step, ": not saving checkpoint-", step, ": role '", name, "' holds non-finite values in ", count,
+           " tensor(s) (first: ", list, count > bad.size() ? ", ..." : "", "); ",
+           last_good_checkpoint_text(last_good(), output_dir_));
+    }
+  }
+  return save_files(
+      step,
+      [&](HostStaging& staging, std::vector<SnapshotFile>& files) {
+        for (const auto& [name, rt] : per_role) {
+          const auto& role = *roles.at(name);
+          SnapshotFile w;
+          w.rel = name + "/" + kWeightsFile;
+          w.safetensors = true;
+          w.st_metadata = {{"format", "pt"}};
+          for (const auto& [k, t] : rt.weights)
+            w.tensors.emplace_back(k, staging.stage(w.rel + ":" + k, t.to(torch::kFloat32)));
+          files.push_back(std::move(w));
+          SnapshotFile c;
+          c.rel = name + "/transformer/config.json";
+          c.bytes = role.model->config().to_json().dump(2) + "\n";
+          files.push_back(std::move(c));
+          SnapshotFile o;
+          o.rel = name + "/" + kOptimizerFile;
+          o.safetensors = true;
+          o.st_metadata = {{"format", "vqad.adamw"}};
+          for (const auto& [k, t] : rt.opt_state) o.tensors.emplace_back(k, staging.stage(o.rel + ":" + k, t));
+          for (const auto& [k, v] : rt.steps) o.tensors.emplace_back(k, torch::tensor(v, torch::kInt64).reshape({}));
+          files.push_back(std::move(o));
+        }
+        SnapshotFile ts;
+        ts.rel = "trainer_state.json";
+        ts.bytes = trainer_state.dump(2) + "\n";
+        files.push_back(std::move(ts));
+        SnapshotFile ry;
+        ry.rel = "resolved.yaml";
+        ry.bytes = resolved_yaml;
+        files.push_back(std::move(ry));
+        if (!source_yaml.empty()) {  // the recipe file as the user wrote it
+          SnapshotFile sy;
+          sy.rel = "source.yaml";
+          sy.bytes = source_yaml;
+          files.push_back(std::move(sy));
+        }
+      },
+      std::move(metadata));
+}
+
+// ---------------------------------------------------------------------------------------
+static void load_adamw_state(const std::string& path, const Role& role, torch::optim::AdamW& opt) {
+  auto state = io::load_safetensors(path);
+  std::set<std::string> used;
+  torch::NoGradGuard ng;
+  for (const auto& item : role.model->named_parameters(true)) {
+    const auto& p = item.value();
+    const std::string k = item.key();
+    auto ea = state.find(k + ".exp_avg"), eq = state.find(k + ".exp_avg_sq"), st = state.find(k + ".step");
+    if (ea == state.end() && eq == state.end() && st == state.end()) continue;  // never updated
+    VQAD_CHECK(ea != state.end() && eq != state.end() && st != state.end(), path, ": parameter '", k,
+               "' has an incomplete AdamW state (needs .exp_avg, .exp_avg_sq and .step)");
+    VQAD_CHECK(ea->second.sizes() == p.sizes() && eq->second.sizes() == p.sizes(), path, ": AdamW state of '", k,
+               "' has shape ", ea->second.sizes(), " but the parameter has ", p.sizes());
+    VQAD_CHECK(st->second.scalar_type() == torch::kInt64 && st->second.numel() == 1, path, ": '", k,
+               ".step' must be one int64");
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(st->second.item<int64_t>());
+    s->exp_avg(ea->second.to(p.device(), p.scalar_type(), false, true));
+    s->exp_avg_sq(eq->second.to(p.device(), p.scalar_type(), false, true));
+    used.insert({ea->first, eq->first, st->first});
+    if (auto mx = state.find(k + ".max_exp_avg_sq"); mx != state.end()) {
+      s->max_exp_avg_sq(mx->second.to(p.device(), p.scalar_type(), false, true));
+      used.insert(mx->first);
+    }
+    opt.state()[p.unsafeGetTensorImpl()] = std::move(s);
+  }
+  for (const auto& [k, _] : state)
+    VQAD_CHECK(used.count(k), path, ": tensor '", k, "' belongs to no parameter of role '", role.name,
+               "' (checkpoint of a different model or trainable scope?)");
+}
+
+nlohmann::json load_checkpoint_state(const std::string& dir, RoleMap& roles,
+                                     const std::vector<std::string>& checkpointed, RoleOptimizers& optimizers) {
+  require_intact(dir, "resume_from_checkpoint");
+  for (const auto& name : checkpointed) {
+    auto& role = roles.at(name);
+    const fs::path rd = fs::path(dir) / name;
+    VQAD_CHECK(fs::is_directory(rd), dir, ": no weights for role '", name, "'");
+    model::load_weights(*role->model, model::read_weights(rd.string()));
+    auto& opt = *optimizers.at(name).adamw;
+    if (fs::is_regular_file(rd / kOptimizerFile)) {
+      load_adamw_state((rd / kOptimizerFile).string(), *role, opt);
+    } else {
+      const fs::path legacy = rd / "optimizer.pt";
+      VQAD_CHECK(fs::is_regular_file(legacy), dir, ": no optimizer state for role '", name, "' (expected ",
+                 (rd / kOptimizerFile).string(), ")");
+      try {
+        torch::load(opt, legacy.string());
+      } catch (const c10::Error& e) {
+        std::string msg = e.what_without_backtrace();
+        msg = msg.substr(0, msg.find('\n'));
+        fail(legacy.string(), ": not a readable torch optimizer archive: ", msg);
+      }
+    }
+  }
+  const fs::path sp = fs::path(dir) / "trainer_state.json";
+  std::ifstream f(sp);
+  VQAD_CHECK(f.good(), dir, ": trainer_state.json missing");
+  nlohmann::json state;
+  try {
+    state = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    fail(sp.string(), ": malformed JSON: ", e.what());
+  }
+  VQAD_CHECK(state.is_object(), sp.string(), ": expected a JSON object");
+  VQAD_CHECK(state.contains("step") && state["step"].is_number_integer(), sp.string(), ": 'step' must be an integer");
+  VQAD_CHECK(state.contains("data") && state["data"].is_object(), sp.string(), ": 'data' must be an object");
+  VQAD_CHECK(state.contains("generator_state") && state["generator_state"].is_string(), sp.string(),
+             ": 'generator_state' must be a string");
+  VQAD_CHECK(!state.contains("optimizer_updates") || state["optimizer_updates"].is_object(), sp.string(),
+             ": 'optimizer_updates' must be an object");
+  return state;
+}
+
+}  // namespace vqad::train

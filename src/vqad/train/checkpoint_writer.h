@@ -1,0 +1,117 @@
+// Trainer checkpoints off the critical path.
+//
+// save() waits for the previous save (the next save waits for the previous one, so one
+// set of host buffers is reused), checks that every tensor it is about to save is finite,
+// copies the weights and AdamW moments into reused host buffers (pinned memory and
+// asynchronous device->host copies ordered on the current stream when the model is on a
+// GPU), and returns: a background thread then waits for the copies, writes each file with
+// large sequential writes and one fsync (hashing it from memory on the side), writes the
+// signed metadata and publishes checkpoint-<step> atomically (checkpoint_dir.h), then
+// applies retention. A failure of the writer reaches the main thread as a vqad::Error at
+// the next save() or wait(), naming the checkpoint and the last good one.
+//
+// Layout of a checkpoint: <role>/transformer/{config.json,diffusion_pytorch_model.safetensors}
+// (the Diffusers layout, fp32), <role>/optimizer.safetensors ("<param>.exp_avg",
+// "<param>.exp_avg_sq", "<param>.step" per trainable parameter), trainer_state.json,
+// resolved.yaml, metadata.json (files + metadata_sha256), CHECKPOINT_COMPLETE.
+#pragma once
+#include <torch/torch.h>
+
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "vqad/train/integrity.h"
+#include "vqad/train/optimizer.h"
+#include "vqad/train/roles.h"
+
+namespace vqad::train {
+
+// One file of a snapshot: bytes, or host tensors written as a safetensors file.
+struct SnapshotFile {
+  std::string rel;
+  std::string bytes;
+  bool safetensors = false;
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;  // host, contiguous
+  std::map<std::string, std::string> st_metadata;
+};
+
+// Host copies of tensors, reused from one save to the next (same key, shape and dtype).
+class HostStaging {
+ public:
+  // A host tensor holding src's values once synchronize() returns.
+  torch::Tensor stage(const std::string& key, const torch::Tensor& src);
+  void record();       // main thread, after the last stage(): marks the end of the copies
+  void synchronize();  // writer thread: waits for the copies
+  size_t bytes() const;
+
+ private:
+  std::map<std::string, torch::Tensor> buffers_;
+  std::vector<torch::Device> devices_;
+  struct Pending;
+  std::shared_ptr<Pending> pending_;
+};
+
+// The safetensors bytes of `tensors` (the layout st::Writer writes: header, then larger
+// elements first, by name): header bytes go to *header, the parts reference it and the tensors.
+std::vector<std::string_view> safetensors_parts(const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
+                                                const std::map<std::string, std::string>& metadata,
+                                                std::string* header);
+
+class CheckpointWriter {
+ public:
+  CheckpointWriter(std::string output_dir, int retention_limit, bool async = true);
+  ~CheckpointWriter();  // waits for a save in flight (its error is logged)
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // A trainer checkpoint of the roles named in `checkpointed` (weights and AdamW state).
+  // Returns the seconds the caller was blocked.
+  double save(long step, const RoleMap& roles, const std::vector<std::string>& checkpointed,
+              const RoleOptimizers& optimizers, nlohmann::json trainer_state, const std::string& resolved_yaml,
+              nlohmann::json metadata, const std::string& source_yaml = "");  // "" = no source.yaml
+  // Any set of files (benchmarks, tests): build() stages tensors and lists the files.
+  double save_files(long step, const std::function<void(HostStaging&, std::vector<SnapshotFile>&)>& build,
+                    nlohmann::json metadata);
+  // Waits for the save in flight; rethrows its failure.
+  void wait();
+  // Newest checkpoint known complete and good: published by this writer, or the one set
+  // with set_last_good (the checkpoint a run resumed from). "" when none.
+  std::string last_good() const;
+  void set_last_good(std::string path);
+  std::vector<std::string> written() const;
+  bool busy() const { return worker_.joinable(); }
+  double last_write_seconds() const { return last_write_s_; }
+  size_t last_bytes() const { return last_bytes_; }
+
+ private:
+  void run_write(long step, std::vector<SnapshotFile> files, nlohmann::json metadata);
+  std::string output_dir_;
+  int retention_ = 0;
+  bool async_ = true;
+  HostStaging staging_;
+  std::thread worker_;
+  std::exception_ptr error_;
+  long in_flight_step_ = -1;
+  mutable std::mutex mu_;
+  std::string last_good_;
+  std::vector<std::string> written_;
+  double last_write_s_ = 0;
+  size_t last_bytes_ = 0;
+};
+
+// Verifies dir (metadata hashes), loads the weights and AdamW state of the roles named in
+// `checkpointed` and returns trainer_state.json (validated: step, data, generator_state,
+// optimizer_updates). Every failure is one vqad::Error naming the file.
+nlohmann::json load_checkpoint_state(const std::string& dir, RoleMap& roles,
+                                     const std::vector<std::string>& checkpointed, RoleOptimizers& optimizers);
+
+}  // namespace vqad::train
