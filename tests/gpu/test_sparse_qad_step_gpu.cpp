@@ -78,6 +78,7 @@ StageResult run_stage(const std::string& stage, const std::string& recipe, std::
                                      "--training.checkpoint.output_dir", out.string(),
                                      "--callbacks.validation.every_steps", "0"});
   auto run = train::load_run_config(std::string(VQAD_SOURCE_DIR) + "/configs/sparse_qad/" + recipe, overrides);
+  (void)torch::zeros({1}, torch::TensorOptions().device(dev));  // the CUDA allocator exists before its stats are reset
   torch::cuda::synchronize();
 #ifdef VQAD_WITH_TORCH_CUDA
   // Peak allocated memory of this stage only (the trainer reports the allocator's peak).
