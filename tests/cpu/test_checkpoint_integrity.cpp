@@ -279,16 +279,17 @@ TEST_F(OpsFixture, ResumeUnderADifferentContractRecordsANewLineageSegment) {
   const auto out = (root / "run").string();
   train(yaml(out, 2, 1));
   auto m2 = train::read_metadata(train::list_checkpoints(out).back().path);
-  ASSERT_EQ(m2["lineage"]["segments"].size(), 1u);
+  ASSERT_EQ(m2["provenance"]["lineage"]["segments"].size(), 1u);
   train(yaml(out, 3, 1), {"--training.checkpoint.resume_from_checkpoint", "latest"});  // same contract
   auto m3 = train::read_metadata(train::list_checkpoints(out).back().path);
-  EXPECT_EQ(m3["lineage"]["segments"].size(), 1u);
+  EXPECT_EQ(m3["provenance"]["lineage"]["segments"].size(), 1u);
   train(yaml(out, 4, 1, "5.0e-4"), {"--training.checkpoint.resume_from_checkpoint", "latest"});
   auto m4 = train::read_metadata(train::list_checkpoints(out).back().path);
-  ASSERT_EQ(m4["lineage"]["segments"].size(), 2u) << m4["lineage"].dump();
-  EXPECT_EQ(m4["lineage"]["segments"][1]["start_step"], 4);
-  EXPECT_EQ(m4["lineage"]["segments"][0]["contract"]["learning_rate"], 1.0e-3);
-  EXPECT_EQ(m4["lineage"]["segments"][1]["contract"]["learning_rate"], 5.0e-4);
+  ASSERT_EQ(m4["provenance"]["lineage"]["segments"].size(), 2u) << m4["provenance"]["lineage"].dump();
+  EXPECT_EQ(m4["provenance"]["lineage"]["segments"][1]["start_step"], 4);
+  EXPECT_EQ(m4["provenance"]["lineage"]["segments"][0]["contract"]["learning_rate"], 1.0e-3);
+  EXPECT_EQ(m4["provenance"]["lineage"]["segments"][1]["contract"]["learning_rate"], 5.0e-4);
+  EXPECT_EQ(m4["training_contract"]["direct_lineage"], m4["provenance"]["lineage"]);
   EXPECT_TRUE(train::verify_lineage(train::list_checkpoints(out).back().path).empty());
 }
 

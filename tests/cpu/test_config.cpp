@@ -207,10 +207,15 @@ TEST(Config, Dmd2MethodKeysAndQuantInheritance) {
   EXPECT_EQ(c.role("critic").quant_config, "none");
   EXPECT_FALSE(c.role("teacher").trainable);
   EXPECT_EQ(c.method.roles(), (std::vector<std::string>{"student", "teacher", "critic"}));
-  // Aliases and `<= 0 means every step`.
-  RunConfig e = parse_run_config(kDmd, {"--method.rollout_mode", "sim", "--method.generator_update_interval", "0"});
+  // Aliases; FastVideo coerces generator_update_interval <= 0 to 1, vqad refuses it.
+  RunConfig e = parse_run_config(kDmd, {"--method.rollout_mode", "sim"});
   EXPECT_EQ(e.method.dmd2.rollout_mode, RolloutMode::kSimulate);
-  EXPECT_EQ(e.method.dmd2.generator_update_interval, 1);
+  try {
+    parse_run_config(kDmd, {"--method.generator_update_interval", "0"});
+    FAIL() << "expected an error";
+  } catch (const vqad::Error& err) {
+    EXPECT_NE(std::string(err.what()).find("method.generator_update_interval"), std::string::npos) << err.what();
+  }
 }
 
 TEST(Config, MethodTargetTable) {

@@ -639,10 +639,15 @@ static nlohmann::json segment_contract(const nlohmann::json& m) {
 }
 
 void record_resume_segments(nlohmann::json& metadata, const nlohmann::json& resumed) {
+  const bool v2 = metadata.contains("provenance") && metadata["provenance"].is_object() &&
+                  metadata["provenance"].contains("lineage");
+  nlohmann::json& mlin = v2 ? metadata["provenance"]["lineage"] : metadata["lineage"];
   nlohmann::json segments = nlohmann::json::array();
   const nlohmann::json current = segment_contract(metadata);
   if (resumed.is_object()) {
-    const auto lin = resumed.value("lineage", nlohmann::json::object());
+    // Schema 2 keeps the lineage under provenance; schema 1 at the top level.
+    const auto& rprov = resumed.value("provenance", nlohmann::json::object());
+    const auto lin = rprov.contains("lineage") ? rprov["lineage"] : resumed.value("lineage", nlohmann::json::object());
     if (lin.contains("segments") && lin["segments"].is_array() && !lin["segments"].empty())
       segments = lin["segments"];
     else
@@ -655,12 +660,16 @@ void record_resume_segments(nlohmann::json& metadata, const nlohmann::json& resu
                 " (attention, quantization, precision or learning rate changed): metadata records a new lineage "
                 "segment from step ", rstep + 1);
     }
-    metadata["lineage"]["resumed_from"] = {{"checkpoint_id", ck.value("id", "")}, {"step", rstep}};
-    metadata["lineage"]["optimizer_state"] = "resumed";
+    mlin["resumed_from"] = {{"checkpoint_id", ck.value("id", "")}, {"step", rstep}};
+    mlin["optimizer_state"] = "resumed";
   } else {
     segments.push_back({{"start_step", 1}, {"contract", current}});
   }
-  metadata["lineage"]["segments"] = segments;
+  mlin["segments"] = segments;
+  // training_contract.direct_lineage repeats provenance.lineage (seeds/004's structure).
+  if (v2 && metadata.contains("training_contract") && metadata["training_contract"].is_object() &&
+      metadata["training_contract"].contains("direct_lineage"))
+    metadata["training_contract"]["direct_lineage"] = mlin;
 }
 
 namespace {
