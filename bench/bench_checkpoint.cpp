@@ -20,12 +20,15 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
+#include <atomic>
 #include <vector>
 
 #include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
 #include "vqad/core/error.h"
 #include "vqad/core/file_io.h"
+#include "vqad/core/sha256.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/train/checkpoint_dir.h"
 #include "vqad/train/checkpoint_writer.h"
@@ -150,6 +153,26 @@ int run_bench_checkpoint(const BenchCheckpointArgs& a) {
   const double idle_step = bench::median(idle);
 
   train::CheckpointWriter writer((dir / "run").string(), 2, true);
+  // As the trainer does: host buffers are allocated in the background before the first save
+  // (timed here while stand-in steps run, so its cost to training shows as well).
+  double prepare_s = 0, prepare_step = idle_step;
+  {
+    const double tp = now_s();
+    std::vector<double> during;
+    std::thread waiter;
+    std::atomic<bool> done{false};
+    writer.prepare(roles, {"student"}, optimizers);
+    waiter = std::thread([&] {
+      writer.wait_prepared();
+      prepare_s = now_s() - tp;
+      done = true;
+    });
+    while (!done && during.size() < 100000) during.push_back(work());
+    waiter.join();
+    if (!during.empty()) prepare_step = bench::median(during);
+  }
+  std::printf("host buffers allocated in the background in %.3f s (stand-in step %.4f s meanwhile, %.4f s idle)\n",
+              prepare_s, prepare_step, idle_step);
   std::vector<double> stall, write_s, busy_step;
   for (int s = 1; s <= a.saves; ++s) {
     stall.push_back(writer.save(s, roles, {"student"}, optimizers, nlohmann::json{{"step", s}, {"data", nlohmann::json::object()},
@@ -161,18 +184,33 @@ int run_bench_checkpoint(const BenchCheckpointArgs& a) {
       if (static_cast<int>(during.size()) >= a.work_steps) break;
     }
     writer.wait();
+    const auto ti = writer.last_timings();
+    std::printf("save %d: blocked %.3f s (wait %.3f, finite scan %.3f, stage %.3f with %.2f GB of new host buffers), "
+                "write %.3f s (copy wait %.3f, files %.3f, publish %.3f)\n",
+                s, stall.back(), ti.wait_previous_s, ti.finite_scan_s, ti.stage_s, ti.new_host_bytes / 1e9,
+                writer.last_write_seconds(), ti.copy_wait_s, ti.files_s, ti.publish_s);
     write_s.push_back(writer.last_write_seconds());
     if (!during.empty()) busy_step.push_back(bench::median(during));
   }
   const double saved_bytes = static_cast<double>(writer.last_bytes());
+  const train::SaveTimings tim = writer.last_timings();
   const std::string last = writer.last_good();
 
   // Load: integrity verification + weights + AdamW state, from a cold page cache.
   evict_tree(last);
   t0 = now_s();
-  train::load_checkpoint_state(last, roles, {"student"}, optimizers);
+  train::LoadTimings lt;
+  train::load_checkpoint_state(last, roles, {"student"}, optimizers, &lt);
   if (device.is_cuda()) torch::cuda::synchronize();
   const double load_s = now_s() - t0;
+  // SHA-256 from memory (the hash every save computes and every load verifies).
+  double sha_gbps = 0;
+  {
+    std::vector<char> buf(size_t(1) << 30, 3);
+    const double ts = now_s();
+    (void)sha256_hex(std::string_view(buf.data(), buf.size()));
+    sha_gbps = static_cast<double>(buf.size()) / (now_s() - ts) / 1e9;
+  }
 
   const double med_write = bench::median(write_s);
   const double plain_w_gbps = state_bytes / plain_write_s / 1e9, save_gbps = saved_bytes / med_write / 1e9;
@@ -181,10 +219,20 @@ int run_bench_checkpoint(const BenchCheckpointArgs& a) {
   t.add({"plain write (write + fsync)", bench::fmt(plain_write_s, 3), bench::fmt(plain_w_gbps), "100"});
   t.add({"checkpoint save: background write", bench::fmt(med_write, 3), bench::fmt(save_gbps),
          bench::fmt(100.0 * save_gbps / plain_w_gbps, 1)});
-  t.add({"checkpoint save: training thread blocked", bench::fmt(bench::median(stall), 3), "", ""});
+  t.add({"checkpoint save: training thread blocked (median)", bench::fmt(bench::median(stall), 3), "", ""});
+  t.add({"checkpoint save: training thread blocked (max)", bench::fmt(*std::max_element(stall.begin(), stall.end()), 3),
+         "", ""});
+  t.add({"host buffers, allocated in the background", bench::fmt(prepare_s, 3), "", ""});
+  t.add({"  last save: wait for previous / finite scan / stage", bench::fmt(tim.wait_previous_s, 3) + " / " +
+         bench::fmt(tim.finite_scan_s, 3) + " / " + bench::fmt(tim.stage_s, 3), "", ""});
+  t.add({"  last save: copy wait / files / publish", bench::fmt(tim.copy_wait_s, 3) + " / " +
+         bench::fmt(tim.files_s, 3) + " / " + bench::fmt(tim.publish_s, 3), "", ""});
   t.add({"plain read (cold)", bench::fmt(plain_read, 3), bench::fmt(plain_r_gbps), "100"});
   t.add({"checkpoint load (verify + load, cold)", bench::fmt(load_s, 3), bench::fmt(load_gbps),
          bench::fmt(100.0 * load_gbps / plain_r_gbps, 1)});
+  t.add({"  load: verify / weights / optimizer", bench::fmt(lt.verify_s, 3) + " / " + bench::fmt(lt.weights_s, 3) +
+         " / " + bench::fmt(lt.optimizer_s, 3), "", ""});
+  t.add({"sha256 from memory (1 GiB, one thread)", "", bench::fmt(sha_gbps), ""});
   std::printf("vqad bench checkpoint: %s on %s, %.2f GB of trainer state, %d saves into %s\n%s", a.model.c_str(),
               device.str().c_str(), saved_bytes / 1e9, a.saves, dir.c_str(), t.str().c_str());
   const double busy = busy_step.empty() ? idle_step : bench::median(busy_step);
@@ -201,7 +249,14 @@ int run_bench_checkpoint(const BenchCheckpointArgs& a) {
                       {"save_pct_of_plain_write", 100.0 * save_gbps / plain_w_gbps},
                       {"load_pct_of_plain_read", 100.0 * load_gbps / plain_r_gbps},
                       {"work_step_idle_s", idle_step},
-                      {"work_step_during_save_s", busy}};
+                      {"work_step_during_save_s", busy},
+                      {"last_save", {{"wait_previous_s", tim.wait_previous_s}, {"finite_scan_s", tim.finite_scan_s},
+                                     {"stage_s", tim.stage_s}, {"new_host_bytes", tim.new_host_bytes},
+                                     {"copy_wait_s", tim.copy_wait_s}, {"files_s", tim.files_s},
+                                     {"publish_s", tim.publish_s}}},
+                      {"load", {{"verify_s", lt.verify_s}, {"weights_s", lt.weights_s}, {"optimizer_s", lt.optimizer_s}}},
+                      {"sha256_gbps", sha_gbps},
+                      {"prepare_s", prepare_s}};
   std::printf("wrote %s\n", bench::write_json(a.out, "checkpoint.json", j).c_str());
   if (!a.keep) fs::remove_all(dir);
   return 0;

@@ -19,6 +19,7 @@
 #include "vqad/core/sha256.h"
 #include "vqad/data/parquet_writer.h"
 #include "vqad/data/synthetic.h"
+#include "vqad/model/wan/model.h"
 #include "vqad/model/wan/weights.h"
 #include "vqad/train/checkpoint_dir.h"
 #include "vqad/train/checkpoint_writer.h"
@@ -352,5 +353,128 @@ TEST(Sha256, MatchesCoreutilsOnLargeRandomFiles) {
     ::pclose(pipe);
     EXPECT_EQ(sha256_file(p.string()), std::string(buf)) << n;
   }
+  fs::remove_all(dir);
+}
+
+TEST(Sha256, FilesAcrossTheReadChunkBoundaryMatchCoreutils) {
+  const fs::path dir = test_train::fresh_test_dir("vqad_sha_chunks");
+  fs::create_directories(dir);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
+  const int64_t chunk = int64_t(16) << 20;  // sha256_file reads 16 MiB at a time
+  for (int64_t n : {chunk - 1, chunk, chunk + 1, 2 * chunk + 4093}) {
+    auto bytes = torch::randint(0, 256, {n}, gen, torch::kUInt8);
+    const fs::path p = dir / ("f" + std::to_string(n));
+    std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), n);
+    FILE* pipe = ::popen(("sha256sum " + p.string()).c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    char buf[65] = {0};
+    ASSERT_EQ(std::fread(buf, 1, 64, pipe), 64u);
+    ::pclose(pipe);
+    EXPECT_EQ(sha256_file(p.string()), std::string(buf)) << n;
+    fs::remove(p);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointWriter, PreparedHostBuffersAreReusedBySaves) {
+  train::HostStaging st;
+  st.prepare({{"a", {3, 4}, torch::kFloat32, torch::Device(torch::kCPU)},
+              {"b", {5}, torch::kBFloat16, torch::Device(torch::kCPU)}});
+  EXPECT_EQ(st.allocated_bytes(), 3u * 4 * 4 + 5 * 2);
+  auto x = torch::randn({3, 4});
+  auto h1 = st.stage("a", x);
+  st.record();
+  st.synchronize();
+  EXPECT_TRUE(torch::equal(h1, x));
+  auto h2 = st.stage("a", x * 2);
+  EXPECT_EQ(h1.data_ptr(), h2.data_ptr());
+  EXPECT_TRUE(torch::equal(h2, x * 2));
+  EXPECT_EQ(st.allocated_bytes(), 3u * 4 * 4 + 5 * 2);  // nothing new
+  auto h3 = st.stage("a", torch::randn({4, 4}));          // a new shape gets a new buffer
+  EXPECT_NE(h3.data_ptr(), h1.data_ptr());
+  EXPECT_EQ(st.allocated_bytes(), 3u * 4 * 4 + 5 * 2 + 4 * 4 * 4);
+}
+
+// A checkpoint larger than the shard size is written as shards + index (weights and AdamW
+// state), verifies, and loads back bit for bit.
+TEST(CheckpointWriter, ShardedCheckpointVerifiesAndLoadsBackBitwise) {
+  const fs::path dir = test_train::fresh_test_dir("vqad_ckshard");
+  torch::manual_seed(3);
+  auto make_role = [] {
+    auto role = std::make_shared<train::Role>();
+    role->name = "student";
+    role->config.trainable = true;
+    role->model = std::make_shared<model::WanModel>(model::WanConfig::tiny(), model::WanModelOptions{});
+    return role;
+  };
+  auto role = make_role();
+  train::RoleOptimizers opts;
+  for (auto& p : role->model->parameters()) opts["student"].params.push_back(p);
+  opts["student"].adamw = std::make_unique<torch::optim::AdamW>(opts["student"].params, torch::optim::AdamWOptions(1e-3));
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : opts["student"].params) {
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(7);
+      s->exp_avg(torch::randn_like(p));
+      s->exp_avg_sq(torch::rand_like(p));
+      opts["student"].adamw->state()[p.unsafeGetTensorImpl()] = std::move(s);
+    }
+  }
+  train::RoleMap roles{{"student", role}};
+  train::CheckpointWriter w(dir.string(), 0, /*async=*/true, /*shard_bytes=*/64 << 10);
+  w.prepare(roles, {"student"}, opts);
+  const nlohmann::json state = {{"step", 4}, {"data", nlohmann::json::object()}, {"generator_state", ""}};
+  w.save(4, roles, {"student"}, opts, state, "x: 1\n", nlohmann::json{{"metadata_schema", "test"}});
+  w.wait();
+  const fs::path ck = dir / "checkpoint-4";
+  EXPECT_TRUE(train::verify_directory(ck.string()).empty());
+  ASSERT_TRUE(fs::is_regular_file(ck / "student/transformer/diffusion_pytorch_model.safetensors.index.json"));
+  ASSERT_TRUE(fs::is_regular_file(ck / "student/optimizer.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(ck / "student/optimizer.safetensors"));
+  int shards = 0;
+  for (const auto& e : fs::directory_iterator(ck / "student")) shards += e.path().filename().string().rfind("optimizer-", 0) == 0;
+  EXPECT_GT(shards, 2);
+  for (const auto& e : fs::recursive_directory_iterator(ck / "student"))
+    if (e.is_regular_file()) EXPECT_LE(fs::file_size(e.path()) >> 10, 64u + 64) << e.path();
+  int wshards = 0;
+  for (const auto& e : fs::directory_iterator(ck / "student/transformer"))
+    wshards += e.path().filename().string().rfind("diffusion_pytorch_model-", 0) == 0;
+  EXPECT_GT(wshards, 1);
+
+  auto fresh = make_role();
+  train::RoleOptimizers fopts;
+  for (auto& p : fresh->model->parameters()) fopts["student"].params.push_back(p);
+  fopts["student"].adamw = std::make_unique<torch::optim::AdamW>(fopts["student"].params, torch::optim::AdamWOptions(1e-3));
+  train::RoleMap froles{{"student", fresh}};
+  train::load_checkpoint_state(ck.string(), froles, {"student"}, fopts);
+  auto a = role->model->named_parameters(true), b = fresh->model->named_parameters(true);
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& item : a) {
+    const auto& p = item.value();
+    const auto& q = b[item.key()];
+    EXPECT_TRUE(torch::equal(p, q)) << item.key();
+    const auto& sp = static_cast<const torch::optim::AdamWParamState&>(*opts["student"].adamw->state().at(p.unsafeGetTensorImpl()));
+    const auto& sq = static_cast<const torch::optim::AdamWParamState&>(*fopts["student"].adamw->state().at(q.unsafeGetTensorImpl()));
+    EXPECT_TRUE(torch::equal(sp.exp_avg(), sq.exp_avg())) << item.key();
+    EXPECT_TRUE(torch::equal(sp.exp_avg_sq(), sq.exp_avg_sq())) << item.key();
+    EXPECT_EQ(sp.step(), sq.step());
+  }
+  // The sharded weights are what every reader of a role directory sees (export, init_from).
+  auto ws = model::read_weights((ck / "student").string());
+  EXPECT_EQ(ws.tensors.size(), a.size());
+  // A damaged shard is caught by the integrity check.
+  {
+    fs::path victim;
+    for (const auto& e : fs::directory_iterator(ck / "student"))
+      if (e.path().filename().string().rfind("optimizer-00002-of-", 0) == 0) victim = e.path();
+    ASSERT_FALSE(victim.empty());
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(victim) - 3));
+    f.put('\x7f');
+  }
+  auto problems = train::verify_directory(ck.string());
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_TRUE(contains(problems[0], "optimizer-00002-of-")) << problems[0];
   fs::remove_all(dir);
 }

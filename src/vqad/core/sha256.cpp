@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -188,20 +189,36 @@ std::string sha256_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   VQAD_CHECK(fd >= 0, "sha256: cannot open file ", path, ": ", std::strerror(errno));
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-  Sha256 h;
-  std::vector<char> buf(size_t(8) << 20);
-  for (;;) {
-    const ssize_t got = ::read(fd, buf.data(), buf.size());
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) {
-      const std::string why = std::strerror(errno);
-      ::close(fd);
-      fail("sha256: read error on file ", path, ": ", why);
+  // Reading and hashing overlap: the next chunk is read on a second thread while this
+  // one is hashed (a cold multi-GB file then takes max(read, hash), not their sum).
+  constexpr size_t kChunk = size_t(16) << 20;
+  std::vector<char> buf[2] = {std::vector<char>(kChunk), std::vector<char>(kChunk)};
+  auto read_chunk = [fd](std::vector<char>& b) -> std::pair<size_t, int> {
+    size_t got = 0;
+    while (got < b.size()) {
+      const ssize_t r = ::read(fd, b.data() + got, b.size() - got);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return {got, errno};
+      if (r == 0) break;
+      got += static_cast<size_t>(r);
     }
-    if (got == 0) break;
-    h.update(buf.data(), static_cast<size_t>(got));
+    return {got, 0};
+  };
+  Sha256 h;
+  int cur = 0;
+  auto [got, err] = read_chunk(buf[0]);
+  while (err == 0 && got > 0) {
+    std::pair<size_t, int> next{0, 0};
+    std::thread reader;
+    if (got == kChunk) reader = std::thread([&] { next = read_chunk(buf[1 - cur]); });
+    h.update(buf[cur].data(), got);
+    if (reader.joinable()) reader.join();
+    got = next.first;
+    err = next.second;
+    cur = 1 - cur;
   }
   ::close(fd);
+  if (err != 0) fail("sha256: read error on file ", path, ": ", std::strerror(err));
   return h.hex_digest();
 }
 

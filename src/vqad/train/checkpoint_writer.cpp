@@ -7,7 +7,10 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <numeric>
 #include <set>
+#include <atomic>
 
 #include "vqad/core/error.h"
 #include "vqad/core/file_io.h"
@@ -27,8 +30,57 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-constexpr const char* kWeightsFile = "transformer/diffusion_pytorch_model.safetensors";
+constexpr const char* kWeightsPrefix = "diffusion_pytorch_model";
+constexpr const char* kOptimizerPrefix = "optimizer";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
+constexpr const char* kOptimizerIndex = "optimizer.safetensors.index.json";
+
+std::string weight_key(const std::string& role, const std::string& param) { return role + "/w:" + param; }
+std::string optimizer_key(const std::string& role, const std::string& name) { return role + "/o:" + name; }
+
+// `tensors` as <dir>/<prefix>.safetensors, or, when larger than shard_bytes, as shards
+// <prefix>-0000i-of-0000n.safetensors (filled in order) plus <prefix>.safetensors.index.json.
+void add_tensor_files(std::vector<SnapshotFile>& files, const std::string& dir, const std::string& prefix,
+                      std::vector<std::pair<std::string, torch::Tensor>> tensors,
+                      const std::map<std::string, std::string>& st_metadata, size_t shard_bytes) {
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> shards(1);
+  size_t current = 0, total = 0;
+  for (auto& t : tensors) {
+    const size_t n = t.second.nbytes();
+    if (current + n > shard_bytes && !shards.back().empty()) {
+      shards.emplace_back();
+      current = 0;
+    }
+    shards.back().push_back(std::move(t));
+    current += n;
+    total += n;
+  }
+  if (shards.size() == 1) {
+    SnapshotFile f;
+    f.rel = dir + "/" + prefix + ".safetensors";
+    f.safetensors = true;
+    f.st_metadata = st_metadata;
+    f.tensors = std::move(shards[0]);
+    files.push_back(std::move(f));
+    return;
+  }
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t i = 0; i < shards.size(); ++i) {
+    char name[64];
+    std::snprintf(name, sizeof name, "-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+    SnapshotFile f;
+    f.rel = dir + "/" + prefix + name;
+    f.safetensors = true;
+    f.st_metadata = st_metadata;
+    for (const auto& t : shards[i]) weight_map[t.first] = prefix + name;
+    f.tensors = std::move(shards[i]);
+    files.push_back(std::move(f));
+  }
+  SnapshotFile index;
+  index.rel = dir + "/" + prefix + ".safetensors.index.json";
+  index.bytes = nlohmann::json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) + "\n";
+  files.push_back(std::move(index));
+}
 
 // The tensors a role's checkpoint holds: weights (all parameters) and the AdamW state of
 // the parameters its optimizer has updated. `opt_state` entries are (param name + ".exp_avg" ...).
@@ -59,15 +111,68 @@ struct HostStaging::Pending {
   std::vector<c10::Event> events;
 };
 
+namespace {
+constexpr size_t kChunkBytes = size_t(1) << 30;  // a power of two: the pinned allocator rounds up to one
+constexpr size_t kAlign = 256;
+}  // namespace
+
+HostStaging::~HostStaging() {
+  if (prepare_thread_.joinable()) prepare_thread_.join();
+}
+
+void HostStaging::wait_prepared() { join_prepare(); }
+
+void HostStaging::join_prepare() {
+  if (prepare_thread_.joinable()) prepare_thread_.join();
+  if (prepare_error_) {
+    auto e = prepare_error_;
+    prepare_error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+torch::Tensor HostStaging::buffer(const std::vector<int64_t>& sizes, torch::ScalarType dtype, bool pinned) {
+  const int64_t numel = std::accumulate(sizes.begin(), sizes.end(), int64_t(1), std::multiplies<int64_t>());
+  const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  auto opts = torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCPU).pinned_memory(pinned);
+  if (nbytes == 0) return torch::empty(sizes, torch::TensorOptions().dtype(dtype));
+  allocated_ += nbytes;
+  auto& chunks = chunks_[pinned ? 1 : 0];
+  if (nbytes > kChunkBytes) {  // a tensor of its own block
+    chunks.insert(chunks.begin(), Chunk{torch::empty({static_cast<int64_t>(nbytes)}, opts), nbytes});
+    return chunks.front().bytes.view(dtype).view(sizes);
+  }
+  if (chunks.empty() || chunks.back().used + nbytes > static_cast<size_t>(chunks.back().bytes.numel()))
+    chunks.push_back(Chunk{torch::empty({static_cast<int64_t>(kChunkBytes)}, opts), 0});
+  auto& c = chunks.back();
+  auto slice = c.bytes.narrow(0, static_cast<int64_t>(c.used), static_cast<int64_t>(nbytes));
+  c.used = (c.used + nbytes + kAlign - 1) / kAlign * kAlign;
+  return slice.view(dtype).view(sizes);
+}
+
+void HostStaging::prepare(std::vector<Spec> specs) {
+  join_prepare();
+  prepare_thread_ = std::thread([this, specs = std::move(specs)] {
+    try {
+      for (const auto& sp : specs) {
+        auto it = buffers_.find(sp.key);
+        if (it != buffers_.end() && it->second.sizes().vec() == sp.sizes && it->second.scalar_type() == sp.dtype)
+          continue;
+        buffers_[sp.key] = buffer(sp.sizes, sp.dtype, sp.device.is_cuda());
+      }
+    } catch (...) {
+      prepare_error_ = std::current_exception();
+    }
+  });
+}
+
 torch::Tensor HostStaging::stage(const std::string& key, const torch::Tensor& src) {
+  join_prepare();
   torch::NoGradGuard ng;
   const auto s = src.detach();
   auto it = buffers_.find(key);
-  if (it == buffers_.end() || it->second.sizes() != s.sizes() || it->second.scalar_type() != s.scalar_type()) {
-    auto opts = torch::TensorOptions().dtype(s.scalar_type()).device(torch::kCPU);
-    if (s.is_cuda()) opts = opts.pinned_memory(true);
-    buffers_[key] = torch::empty(s.sizes(), opts);
-  }
+  if (it == buffers_.end() || it->second.sizes() != s.sizes() || it->second.scalar_type() != s.scalar_type())
+    buffers_[key] = buffer(s.sizes().vec(), s.scalar_type(), s.is_cuda());
   auto& buf = buffers_[key];
   buf.copy_(s, /*non_blocking=*/s.is_cuda());
   if (s.is_cuda() && std::find(devices_.begin(), devices_.end(), s.device()) == devices_.end())
@@ -92,7 +197,13 @@ void HostStaging::synchronize() {
   pending_.reset();
 }
 
-size_t HostStaging::bytes() const {
+size_t HostStaging::allocated_bytes() {
+  join_prepare();
+  return allocated_;
+}
+
+size_t HostStaging::bytes() {
+  join_prepare();
   size_t n = 0;
   for (const auto& [_, t] : buffers_) n += t.nbytes();
   return n;
@@ -134,8 +245,10 @@ std::vector<std::string_view> safetensors_parts(const std::vector<std::pair<std:
 }
 
 // ---------------------------------------------------------------------------------------
-CheckpointWriter::CheckpointWriter(std::string output_dir, int retention_limit, bool async)
-    : output_dir_(std::move(output_dir)), retention_(retention_limit), async_(async) {}
+CheckpointWriter::CheckpointWriter(std::string output_dir, int retention_limit, bool async, size_t shard_bytes)
+    : output_dir_(std::move(output_dir)), retention_(retention_limit), async_(async), shard_bytes_(shard_bytes) {
+  VQAD_CHECK(shard_bytes_ > 0, "checkpoint writer: shard size must be positive");
+}
 
 CheckpointWriter::~CheckpointWriter() {
   try {
@@ -171,25 +284,64 @@ void CheckpointWriter::wait() {
   }
 }
 
+SaveTimings CheckpointWriter::last_timings() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return timings_;
+}
+
 void CheckpointWriter::run_write(long step, std::vector<SnapshotFile> files, nlohmann::json metadata) {
   const auto t0 = std::chrono::steady_clock::now();
   staging_.synchronize();
+  const double copy_wait = seconds_since(t0);
+  double files_s = 0;
   std::map<std::string, std::string> known;
   size_t bytes = 0;
   const std::string path = write_checkpoint_dir(output_dir_, step, [&](const std::string& dir) {
-    for (const auto& f : files) {
-      const fs::path p = fs::path(dir) / f.rel;
-      create_dir_or_fail(p.parent_path().string(), "checkpoint");
-      std::string header;
-      const auto parts = f.safetensors ? safetensors_parts(f.tensors, f.st_metadata, &header)
-                                       : std::vector<std::string_view>{f.bytes};
-      known[f.rel] = write_file_hashed(p.string(), parts);
-      for (auto part : parts) bytes += part.size();
-    }
+    const auto tf = std::chrono::steady_clock::now();
+    for (const auto& f : files) create_dir_or_fail((fs::path(dir) / f.rel).parent_path().string(), "checkpoint");
+    // Files are written (and hashed) in parallel: large files are sharded, so several
+    // SHA-256 streams keep up with the disk.
+    std::mutex km;
+    std::exception_ptr first_error;
+    std::atomic<size_t> next{0};
+    auto worker = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < files.size();) {
+        {
+          std::lock_guard<std::mutex> g(km);
+          if (first_error) return;
+        }
+        try {
+          const auto& f = files[i];
+          std::string header;
+          const auto parts = f.safetensors ? safetensors_parts(f.tensors, f.st_metadata, &header)
+                                           : std::vector<std::string_view>{f.bytes};
+          const std::string sha = write_file_hashed((fs::path(dir) / f.rel).string(), parts);
+          size_t n = 0;
+          for (auto part : parts) n += part.size();
+          std::lock_guard<std::mutex> g(km);
+          known[f.rel] = sha;
+          bytes += n;
+        } catch (...) {
+          std::lock_guard<std::mutex> g(km);
+          if (!first_error) first_error = std::current_exception();
+        }
+      }
+    };
+    const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2);
+    const int nthreads = std::max(1, std::min<int>({8, hw, static_cast<int>(files.size())}));
+    std::vector<std::thread> pool;
+    for (int t = 1; t < nthreads; ++t) pool.emplace_back(worker);
+    worker();
+    for (auto& t : pool) t.join();
+    if (first_error) std::rethrow_exception(first_error);
+    files_s = seconds_since(tf);
     write_metadata(dir, std::move(metadata), known);
   });
   apply_retention(output_dir_, retention_);
   std::lock_guard<std::mutex> g(mu_);
+  timings_.copy_wait_s = copy_wait;
+  timings_.files_s = files_s;
+  timings_.publish_s = seconds_since(t0) - copy_wait - files_s;
   last_good_ = path;
   written_.push_back(path);
   last_write_s_ = seconds_since(t0);
@@ -200,11 +352,27 @@ void CheckpointWriter::run_write(long step, std::vector<SnapshotFile> files, nlo
 double CheckpointWriter::save_files(long step,
                                     const std::function<void(HostStaging&, std::vector<SnapshotFile>&)>& build,
                                     nlohmann::json metadata) {
+  return save_files_timed(step, build, std::move(metadata), 0, 0);
+}
+
+double CheckpointWriter::save_files_timed(long step,
+                                          const std::function<void(HostStaging&, std::vector<SnapshotFile>&)>& build,
+                                          nlohmann::json metadata, double waited, double scan) {
   const auto t0 = std::chrono::steady_clock::now();
   wait();
+  const size_t allocated_before = staging_.allocated_bytes();
+  const auto ts = std::chrono::steady_clock::now();
   std::vector<SnapshotFile> files;
   build(staging_, files);
   staging_.record();
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    timings_ = SaveTimings{};
+    timings_.finite_scan_s = scan;
+    timings_.wait_previous_s = waited + std::chrono::duration<double>(ts - t0).count();
+    timings_.stage_s = seconds_since(ts);
+    timings_.new_host_bytes = static_cast<double>(staging_.allocated_bytes() - allocated_before);
+  }
   in_flight_step_ = step;
   if (!async_) {
     try {
@@ -225,11 +393,31 @@ double CheckpointWriter::save_files(long step,
   return seconds_since(t0);
 }
 
+void CheckpointWriter::prepare(const RoleMap& roles, const std::vector<std::string>& checkpointed,
+                               const RoleOptimizers& optimizers) {
+  std::vector<HostStaging::Spec> specs;
+  for (const auto& name : checkpointed) {
+    if (!roles.count(name) || !optimizers.count(name)) continue;  // save() names the problem
+    std::set<const c10::TensorImpl*> trained;
+    for (const auto& p : optimizers.at(name).params) trained.insert(p.unsafeGetTensorImpl());
+    for (const auto& item : roles.at(name)->model->named_parameters(true)) {
+      const auto& p = item.value();
+      specs.push_back({weight_key(name, item.key()), p.sizes().vec(), torch::kFloat32, p.device()});
+      if (!trained.count(p.unsafeGetTensorImpl())) continue;
+      for (const char* m : {".exp_avg", ".exp_avg_sq"})
+        specs.push_back({optimizer_key(name, item.key() + m), p.sizes().vec(), p.scalar_type(), p.device()});
+    }
+  }
+  staging_.prepare(std::move(specs));
+}
+
 double CheckpointWriter::save(long step, const RoleMap& roles, const std::vector<std::string>& checkpointed,
                               const RoleOptimizers& optimizers, nlohmann::json trainer_state,
                               const std::string& resolved_yaml, nlohmann::json metadata,
                               const std::string& source_yaml) {
+  const auto t0 = std::chrono::steady_clock::now();
   wait();  // the last good checkpoint must be known before anything below can fail
+  const auto tscan = std::chrono::steady_clock::now();
   std::map<std::string, RoleTensors> per_role;
   for (const auto& name : checkpointed) {
     VQAD_CHECK(roles.count(name) && optimizers.count(name), "checkpoint-", step, ": role '", name,
@@ -247,29 +435,22 @@ double CheckpointWriter::save(long step, const RoleMap& roles, const std::vector
            last_good_checkpoint_text(last_good(), output_dir_));
     }
   }
-  return save_files(
+  const double waited = std::chrono::duration<double>(tscan - t0).count(), scan = seconds_since(tscan);
+  return waited + scan + save_files_timed(
       step,
       [&](HostStaging& staging, std::vector<SnapshotFile>& files) {
         for (const auto& [name, rt] : per_role) {
           const auto& role = *roles.at(name);
-          SnapshotFile w;
-          w.rel = name + "/" + kWeightsFile;
-          w.safetensors = true;
-          w.st_metadata = {{"format", "pt"}};
-          for (const auto& [k, t] : rt.weights)
-            w.tensors.emplace_back(k, staging.stage(w.rel + ":" + k, t.to(torch::kFloat32)));
-          files.push_back(std::move(w));
+          std::vector<std::pair<std::string, torch::Tensor>> w, o;
+          for (const auto& [k, t] : rt.weights) w.emplace_back(k, staging.stage(weight_key(name, k), t.to(torch::kFloat32)));
+          add_tensor_files(files, name + "/transformer", kWeightsPrefix, std::move(w), {{"format", "pt"}}, shard_bytes_);
           SnapshotFile c;
           c.rel = name + "/transformer/config.json";
           c.bytes = role.model->config().to_json().dump(2) + "\n";
           files.push_back(std::move(c));
-          SnapshotFile o;
-          o.rel = name + "/" + kOptimizerFile;
-          o.safetensors = true;
-          o.st_metadata = {{"format", "vqad.adamw"}};
-          for (const auto& [k, t] : rt.opt_state) o.tensors.emplace_back(k, staging.stage(o.rel + ":" + k, t));
-          for (const auto& [k, v] : rt.steps) o.tensors.emplace_back(k, torch::tensor(v, torch::kInt64).reshape({}));
-          files.push_back(std::move(o));
+          for (const auto& [k, t] : rt.opt_state) o.emplace_back(k, staging.stage(optimizer_key(name, k), t));
+          for (const auto& [k, v] : rt.steps) o.emplace_back(k, torch::tensor(v, torch::kInt64).reshape({}));
+          add_tensor_files(files, name, kOptimizerPrefix, std::move(o), {{"format", "vqad.adamw"}}, shard_bytes_);
         }
         SnapshotFile ts;
         ts.rel = "trainer_state.json";
@@ -286,12 +467,12 @@ double CheckpointWriter::save(long step, const RoleMap& roles, const std::vector
           files.push_back(std::move(sy));
         }
       },
-      std::move(metadata));
+      std::move(metadata), waited, scan);
 }
 
 // ---------------------------------------------------------------------------------------
 static void load_adamw_state(const std::string& path, const Role& role, torch::optim::AdamW& opt) {
-  auto state = io::load_safetensors(path);
+  auto state = path.ends_with(".index.json") ? io::load_sharded(path) : io::load_safetensors(path);
   std::set<std::string> used;
   torch::NoGradGuard ng;
   for (const auto& item : role.model->named_parameters(true)) {
@@ -322,16 +503,25 @@ static void load_adamw_state(const std::string& path, const Role& role, torch::o
 }
 
 nlohmann::json load_checkpoint_state(const std::string& dir, RoleMap& roles,
-                                     const std::vector<std::string>& checkpointed, RoleOptimizers& optimizers) {
+                                     const std::vector<std::string>& checkpointed, RoleOptimizers& optimizers,
+                                     LoadTimings* timings) {
+  LoadTimings lt;
+  auto t0 = std::chrono::steady_clock::now();
   require_intact(dir, "resume_from_checkpoint");
+  lt.verify_s = seconds_since(t0);
   for (const auto& name : checkpointed) {
     auto& role = roles.at(name);
     const fs::path rd = fs::path(dir) / name;
     VQAD_CHECK(fs::is_directory(rd), dir, ": no weights for role '", name, "'");
+    t0 = std::chrono::steady_clock::now();
     model::load_weights(*role->model, model::read_weights(rd.string()));
+    lt.weights_s += seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
     auto& opt = *optimizers.at(name).adamw;
     if (fs::is_regular_file(rd / kOptimizerFile)) {
       load_adamw_state((rd / kOptimizerFile).string(), *role, opt);
+    } else if (fs::is_regular_file(rd / kOptimizerIndex)) {
+      load_adamw_state((rd / kOptimizerIndex).string(), *role, opt);
     } else {
       const fs::path legacy = rd / "optimizer.pt";
       VQAD_CHECK(fs::is_regular_file(legacy), dir, ": no optimizer state for role '", name, "' (expected ",
@@ -344,7 +534,9 @@ nlohmann::json load_checkpoint_state(const std::string& dir, RoleMap& roles,
         fail(legacy.string(), ": not a readable torch optimizer archive: ", msg);
       }
     }
+    lt.optimizer_s += seconds_since(t0);
   }
+  if (timings) *timings = lt;
   const fs::path sp = fs::path(dir) / "trainer_state.json";
   std::ifstream f(sp);
   VQAD_CHECK(f.good(), dir, ": trainer_state.json missing");

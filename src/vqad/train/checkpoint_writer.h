@@ -13,7 +13,8 @@
 // Layout of a checkpoint: <role>/transformer/{config.json,diffusion_pytorch_model.safetensors}
 // (the Diffusers layout, fp32), <role>/optimizer.safetensors ("<param>.exp_avg",
 // "<param>.exp_avg_sq", "<param>.step" per trainable parameter), trainer_state.json,
-// resolved.yaml, metadata.json (files + metadata_sha256), CHECKPOINT_COMPLETE.
+// resolved.yaml, metadata.json (files + metadata_sha256), CHECKPOINT_COMPLETE. Either
+// tensor file is sharded (index + shards) when larger than the writer's shard size.
 #pragma once
 #include <torch/torch.h>
 
@@ -45,17 +46,40 @@ struct SnapshotFile {
 };
 
 // Host copies of tensors, reused from one save to the next (same key, shape and dtype).
+// The buffers are carved out of 1 GiB chunks (pinned when the source is on a GPU), so
+// pinned memory is allocated in a few large, exactly sized blocks; prepare() allocates
+// them on a background thread ahead of the first save (pinning ~17 GB takes ~15 s).
 class HostStaging {
  public:
+  struct Spec {
+    std::string key;
+    std::vector<int64_t> sizes;
+    torch::ScalarType dtype;
+    torch::Device device;
+  };
+  ~HostStaging();
+  void prepare(std::vector<Spec> specs);  // returns at once; stage() waits for it
+  void wait_prepared();                   // rethrows an allocation failure
   // A host tensor holding src's values once synchronize() returns.
   torch::Tensor stage(const std::string& key, const torch::Tensor& src);
   void record();       // main thread, after the last stage(): marks the end of the copies
   void synchronize();  // writer thread: waits for the copies
-  size_t bytes() const;
+  size_t bytes();
+  size_t allocated_bytes();  // of buffers made by stage() or prepare() since construction
 
  private:
+  void join_prepare();
+  torch::Tensor buffer(const std::vector<int64_t>& sizes, torch::ScalarType dtype, bool pinned);
   std::map<std::string, torch::Tensor> buffers_;
+  struct Chunk {
+    torch::Tensor bytes;  // uint8 [kChunkBytes] (or larger for one big tensor)
+    size_t used = 0;
+  };
+  std::vector<Chunk> chunks_[2];  // [pinned]
+  std::thread prepare_thread_;
+  std::exception_ptr prepare_error_;
   std::vector<torch::Device> devices_;
+  size_t allocated_ = 0;
   struct Pending;
   std::shared_ptr<Pending> pending_;
 };
@@ -66,9 +90,27 @@ std::vector<std::string_view> safetensors_parts(const std::vector<std::pair<std:
                                                 const std::map<std::string, std::string>& metadata,
                                                 std::string* header);
 
+// Where the time of one save went (seconds; `bench checkpoint` prints it).
+struct SaveTimings {
+  // On the training thread:
+  double wait_previous_s = 0;  // waiting for the save before it
+  double finite_scan_s = 0;    // non-finite check of every saved tensor
+  double stage_s = 0;          // host buffers (allocation) and enqueueing the device->host copies
+  double new_host_bytes = 0;   // bytes of host buffers allocated by this save (0 when all were reused)
+  // On the writer thread:
+  double copy_wait_s = 0;  // waiting for the device->host copies
+  double files_s = 0;      // writing + fsyncing + hashing the files
+  double publish_s = 0;    // metadata, marker, rename, retention
+};
+
 class CheckpointWriter {
  public:
-  CheckpointWriter(std::string output_dir, int retention_limit, bool async = true);
+  // Tensor files larger than `shard_bytes` are split into Diffusers/Hugging Face style
+  // shards (<prefix>-00001-of-0000N.safetensors + <prefix>.safetensors.index.json), which
+  // are written and hashed in parallel (one SHA-256 stream runs at ~1 GB/s).
+  static constexpr size_t kDefaultShardBytes = size_t(2) << 30;
+  CheckpointWriter(std::string output_dir, int retention_limit, bool async = true,
+                   size_t shard_bytes = kDefaultShardBytes);
   ~CheckpointWriter();  // waits for a save in flight (its error is logged)
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -78,6 +120,10 @@ class CheckpointWriter {
   double save(long step, const RoleMap& roles, const std::vector<std::string>& checkpointed,
               const RoleOptimizers& optimizers, nlohmann::json trainer_state, const std::string& resolved_yaml,
               nlohmann::json metadata, const std::string& source_yaml = "");  // "" = no source.yaml
+  // Allocates the host buffers of these roles' checkpoints (weights and AdamW moments) in
+  // the background, so that the first save does not wait for them.
+  void prepare(const RoleMap& roles, const std::vector<std::string>& checkpointed, const RoleOptimizers& optimizers);
+  void wait_prepared() { staging_.wait_prepared(); }
   // Any set of files (benchmarks, tests): build() stages tensors and lists the files.
   double save_files(long step, const std::function<void(HostStaging&, std::vector<SnapshotFile>&)>& build,
                     nlohmann::json metadata);
@@ -91,12 +137,16 @@ class CheckpointWriter {
   bool busy() const { return worker_.joinable(); }
   double last_write_seconds() const { return last_write_s_; }
   size_t last_bytes() const { return last_bytes_; }
+  SaveTimings last_timings() const;
 
  private:
+  double save_files_timed(long step, const std::function<void(HostStaging&, std::vector<SnapshotFile>&)>& build,
+                          nlohmann::json metadata, double waited, double scan);
   void run_write(long step, std::vector<SnapshotFile> files, nlohmann::json metadata);
   std::string output_dir_;
   int retention_ = 0;
   bool async_ = true;
+  size_t shard_bytes_ = kDefaultShardBytes;
   HostStaging staging_;
   std::thread worker_;
   std::exception_ptr error_;
@@ -106,12 +156,17 @@ class CheckpointWriter {
   std::vector<std::string> written_;
   double last_write_s_ = 0;
   size_t last_bytes_ = 0;
+  SaveTimings timings_;
 };
 
 // Verifies dir (metadata hashes), loads the weights and AdamW state of the roles named in
 // `checkpointed` and returns trainer_state.json (validated: step, data, generator_state,
 // optimizer_updates). Every failure is one vqad::Error naming the file.
+struct LoadTimings {
+  double verify_s = 0, weights_s = 0, optimizer_s = 0;
+};
 nlohmann::json load_checkpoint_state(const std::string& dir, RoleMap& roles,
-                                     const std::vector<std::string>& checkpointed, RoleOptimizers& optimizers);
+                                     const std::vector<std::string>& checkpointed, RoleOptimizers& optimizers,
+                                     LoadTimings* timings = nullptr);
 
 }  // namespace vqad::train

@@ -38,7 +38,7 @@ void write_metadata(const std::string& dir, nlohmann::json metadata,
 // well-formed and matching its metadata_sha256, every recorded file present with its
 // recorded sha256, and no file in the directory that the metadata does not list.
 // Returns the problems (empty = intact). Hashes files on `threads` threads.
-std::vector<std::string> verify_directory(const std::string& dir, int threads = 4);
+std::vector<std::string> verify_directory(const std::string& dir, int threads = 0);  // 0: up to 8 by the machine
 // Throws one vqad::Error naming `what` (e.g. "resume_from_checkpoint"), the directory and
 // its problems when verify_directory finds any.
 void require_intact(const std::string& dir, const std::string& what);

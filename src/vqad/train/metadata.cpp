@@ -584,6 +584,7 @@ std::vector<std::string> verify_directory(const std::string& dir, int threads) {
     }
   };
   std::vector<std::thread> pool;
+  if (threads <= 0) threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 2, 1, 8);
   const int n = std::max(1, std::min<int>(threads, static_cast<int>(todo.size())));
   for (int t = 1; t < n; ++t) pool.emplace_back(worker);
   worker();

@@ -268,6 +268,8 @@ TrainSummary Trainer::run() {
                      main_rank ? options_.log_every_s : 0.0);
   summary.first_step = I.start_step + 1;
   long last_saved = -1;
+  // The writer's host buffers are allocated in the background while the first steps run.
+  if (main_rank && save_every > 0) prepare_trainer_checkpoint(writer, run_, roles_, I.optimizers);
   // Replicated state: rank 0 snapshots it (its writer thread writes the files), the others
   // wait for the snapshot.
   auto save = [&](long step) {

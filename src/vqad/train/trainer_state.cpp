@@ -51,6 +51,11 @@ std::vector<std::string> checkpointed_roles(const RunConfig& run) {
 }
 }  // namespace
 
+void prepare_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles,
+                                const RoleOptimizers& optimizers) {
+  writer.prepare(roles, checkpointed_roles(run), optimizers);
+}
+
 double save_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles, long step,
                                const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
                                torch::Generator& gen, const std::string& started_at, const nlohmann::json& mesh,

@@ -24,6 +24,9 @@ namespace vqad::train {
 // the lineage segments (`resumed_metadata`: metadata of the checkpoint resumed from, or
 // null). Returns the seconds the caller was blocked. Only rank 0 of a multi-process run
 // calls it (the state is replicated).
+// Lets the writer allocate its host buffers for the run's checkpointed roles in the background.
+void prepare_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles,
+                                const RoleOptimizers& optimizers);
 double save_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles, long step,
                                const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
                                torch::Generator& gen, const std::string& started_at,
