@@ -478,3 +478,20 @@ TEST(CheckpointWriter, ShardedCheckpointVerifiesAndLoadsBackBitwise) {
   EXPECT_TRUE(contains(problems[0], "optimizer-00002-of-")) << problems[0];
   fs::remove_all(dir);
 }
+
+// A decaying LR schedule is computed over max_train_steps: resuming with another total
+// follows another curve from then on, which the lineage records; a constant one does not.
+TEST_F(OpsFixture, ResumeWithAnotherTotalUnderADecayingScheduleRecordsANewSegment) {
+  const auto out = (root / "run").string();
+  const std::vector<std::string> cosine = {"--training.optimizer.lr_scheduler", "cosine"};
+  train(yaml(out, 2, 1), cosine);
+  auto resume = cosine;
+  resume.insert(resume.end(), {"--training.checkpoint.resume_from_checkpoint", "latest"});
+  train(yaml(out, 4, 1), resume);
+  auto m = train::read_metadata(train::list_checkpoints(out).back().path);
+  const auto& seg = m["provenance"]["lineage"]["segments"];
+  ASSERT_EQ(seg.size(), 2u) << seg.dump();
+  EXPECT_EQ(seg[0]["contract"]["lr_schedule_total_steps"], 2);
+  EXPECT_EQ(seg[1]["contract"]["lr_schedule_total_steps"], 4);
+  EXPECT_EQ(seg[1]["start_step"], 3);
+}

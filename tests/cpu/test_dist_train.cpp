@@ -124,18 +124,21 @@ TEST_F(DistTrain, ReplicatedWorldsOf2And4MatchOneProcess) {
   }
 }
 
-// Disabled: the world 4 -> world 2 leg matches the uninterrupted run, but the first steps of
-// the one-process leg (resumed from the world-2 checkpoint) differ by ~1% in the loss; the
-// cause is not found yet.
-TEST_F(DistTrain, DISABLED_CheckpointOfWorld4ResumesOnWorld2ThenOnOneProcess) {
-  auto straight = train(1, root / "straight", 6, 2);
+// The legs stop early by running with a smaller max_train_steps. A cosine schedule is
+// computed over max_train_steps, so each leg would follow a different LR curve from its
+// first post-warmup update on (a 4-step leg decays to zero at step 4, ~1% off the 6-step
+// run at step 5, on any world size, one process included). The legs therefore use a
+// schedule that does not depend on the total: constant after the warmup.
+TEST_F(DistTrain, CheckpointOfWorld4ResumesOnWorld2ThenOnOneProcess) {
+  const std::string lr = " --training.optimizer.lr_scheduler constant_with_warmup";
+  auto straight = train(1, root / "straight", 6, 2, lr);
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
   const auto out = root / "resumed";
-  auto a = train(4, out, 2, 2);
+  auto a = train(4, out, 2, 2, lr);
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto b = train(2, out, 4, 2, " --training.checkpoint.resume_from_checkpoint latest");
+  auto b = train(2, out, 4, 2, lr + " --training.checkpoint.resume_from_checkpoint latest");
   ASSERT_EQ(b.exit_code, 0) << b.output;
-  auto c = train(1, out, 6, 2, " --training.checkpoint.resume_from_checkpoint latest");
+  auto c = train(1, out, 6, 2, lr + " --training.checkpoint.resume_from_checkpoint latest");
   ASSERT_EQ(c.exit_code, 0) << c.output;
   expect_close_metrics(out, root / "straight", "4 -> 2 -> 1");
   expect_close_weights(out / "checkpoint-6" / "student", root / "straight" / "checkpoint-6" / "student", 6,
@@ -158,3 +161,4 @@ TEST_F(DistTrain, MeshThatDoesNotMatchTheLaunchIsRefused) {
   EXPECT_TRUE(contains(sharded.output, "training.distributed.hsdp_shard_dim = 2: sharded data parallelism is not "
                                        "available")) << sharded.output;
 }
+

@@ -635,6 +635,12 @@ static nlohmann::json segment_contract(const nlohmann::json& m) {
   };
   c["learning_rate"] = at("/training/optimizer/learning_rate");
   c["lr_scheduler"] = at("/training/optimizer/lr_scheduler");
+  c["lr_warmup_steps"] = at("/training/optimizer/lr_warmup_steps");
+  // A decaying schedule is computed over max_train_steps: a resume with another total
+  // follows another LR curve from then on (a new segment), a constant one does not.
+  const auto sched = c["lr_scheduler"];
+  const bool decays = sched.is_string() && sched != "constant" && sched != "constant_with_warmup";
+  c["lr_schedule_total_steps"] = decays ? at("/training/loop/max_train_steps") : nlohmann::json(nullptr);
   c["fake_score_learning_rate"] = at("/method/fake_score_learning_rate");
   return c;
 }
@@ -658,7 +664,7 @@ void record_resume_segments(nlohmann::json& metadata, const nlohmann::json& resu
     if (segments.back().value("contract", nlohmann::json()) != current) {
       segments.push_back({{"start_step", rstep + 1}, {"contract", current}, {"resumed_from", ck.value("id", "")}});
       log::warn("resuming under a different training contract than checkpoint step ", rstep,
-                " (attention, quantization, precision or learning rate changed): metadata records a new lineage "
+                " (attention, quantization, precision or learning-rate schedule changed): metadata records a new lineage "
                 "segment from step ", rstep + 1);
     }
     mlin["resumed_from"] = {{"checkpoint_id", ck.value("id", "")}, {"step", rstep}};
