@@ -136,6 +136,79 @@ ref::Tiling tiling_of(const Call& c) {
   return ref::make_tiling(c.grid[0], c.grid[1], c.grid[2], vsa_cube_of(c.backend));
 }
 
+// What the forward keeps for the backward, after the inputs (q, k, v, gate): one list
+// order per path, packed and unpacked in one place each.
+constexpr size_t kSavedInputs = 4;
+
+std::vector<torch::Tensor> pack_saved(const ref::Saved& saved, int64_t B, int64_t L, int64_t H, int64_t D,
+                                      int64_t nc) {
+  const auto& cs = saved.coarse;
+  const auto& sel = saved.selection;
+  return {to_tensor(saved.o_fine_hp, {B, L, H, D}),
+          to_tensor(saved.m, {B, H, L}),
+          to_tensor(saved.l, {B, H, L}),
+          to_tensor(sel.index, {B, H, nc, sel.max_kv}),
+          to_tensor(sel.count, {B, H, nc}),
+          to_tensor(cs.q_c, {B, H, nc, D}),
+          to_tensor(cs.k_c, {B, H, nc, D}),
+          to_tensor(cs.v_c, {B, H, nc, D}),
+          to_tensor(cs.scores, {B, H, nc, nc}),
+          to_tensor(cs.probs, {B, H, nc, nc}),
+          to_tensor(cs.out_c, {B, H, nc, D})};
+}
+
+ref::Saved unpack_saved(const std::vector<torch::Tensor>& sv, int64_t B, int64_t H) {
+  const torch::Tensor* t = sv.data() + kSavedInputs;
+  ref::Saved saved;
+  saved.o_fine_hp = to_vector<float>(t[0]);
+  saved.m = to_vector<float>(t[1]);
+  saved.l = to_vector<float>(t[2]);
+  saved.selection.batch = B;
+  saved.selection.heads = H;
+  saved.selection.num_q_cubes = t[3].size(2);
+  saved.selection.max_kv = t[3].size(3);
+  saved.selection.index = to_vector<int32_t>(t[3]);
+  saved.selection.count = to_vector<int32_t>(t[4]);
+  saved.coarse.q_c = to_vector<float>(t[5]);
+  saved.coarse.k_c = to_vector<float>(t[6]);
+  saved.coarse.v_c = to_vector<float>(t[7]);
+  saved.coarse.scores = to_vector<float>(t[8]);
+  saved.coarse.probs = to_vector<float>(t[9]);
+  saved.coarse.out_c = to_vector<float>(t[10]);
+  return saved;
+}
+
+#ifdef VQAD_VSA_CUDA_PATH
+std::vector<torch::Tensor> pack_saved(const vsa_cuda::Saved& s) {
+  return {s.tiled_q, s.tiled_k, s.tiled_v, s.o_fine_hp, s.m,   s.l,    s.sel_index,
+          s.sel_count, s.q_c, s.k_c, s.v_c, s.probs, s.out_c};
+}
+
+vsa_cuda::Saved unpack_saved_cuda(const std::vector<torch::Tensor>& sv) {
+  const torch::Tensor* t = sv.data() + kSavedInputs;
+  vsa_cuda::Saved s;
+  s.tiled_q = t[0];
+  s.tiled_k = t[1];
+  s.tiled_v = t[2];
+  s.o_fine_hp = t[3];
+  s.m = t[4];
+  s.l = t[5];
+  s.sel_index = t[6];
+  s.sel_count = t[7];
+  s.q_c = t[8];
+  s.k_c = t[9];
+  s.v_c = t[10];
+  s.probs = t[11];
+  s.out_c = t[12];
+  return s;
+}
+#endif
+
+std::vector<torch::Tensor> with_inputs(std::vector<torch::Tensor> inputs, std::vector<torch::Tensor> rest) {
+  inputs.insert(inputs.end(), std::make_move_iterator(rest.begin()), std::make_move_iterator(rest.end()));
+  return inputs;
+}
+
 class VsaFunction : public torch::autograd::Function<VsaFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
@@ -154,15 +227,8 @@ class VsaFunction : public torch::autograd::Function<VsaFunction> {
       torch::Tensor o = torch::empty({B, L, H, D}, torch::kFloat32);
       ref::Saved saved;
       ref::forward(dims, tiling, cview(q32), cview(k32), cview(v32), cview(g32), ro, view(o), &saved);
-      const auto& cs = saved.coarse;
-      const auto& sel = saved.selection;
-      ctx->save_for_backward({q32, k32, v32, g32, to_tensor(saved.o_fine_hp, {B, L, H, D}),
-                              to_tensor(saved.m, {B, H, L}), to_tensor(saved.l, {B, H, L}),
-                              to_tensor(sel.index, {B, H, nc, sel.max_kv}), to_tensor(sel.count, {B, H, nc}),
-                              to_tensor(cs.q_c, {B, H, nc, D}), to_tensor(cs.k_c, {B, H, nc, D}),
-                              to_tensor(cs.v_c, {B, H, nc, D}), to_tensor(cs.scores, {B, H, nc, nc}),
-                              to_tensor(cs.probs, {B, H, nc, nc}), to_tensor(cs.out_c, {B, H, nc, D})});
-      if (call.selection != nullptr) *call.selection = sel;
+      ctx->save_for_backward(with_inputs({q32, k32, v32, g32}, pack_saved(saved, B, L, H, D, nc)));
+      if (call.selection != nullptr) *call.selection = saved.selection;
       return o.to(q.scalar_type());
     }
 #ifdef VQAD_VSA_CUDA_PATH
@@ -171,8 +237,7 @@ class VsaFunction : public torch::autograd::Function<VsaFunction> {
       // unsupported devices and shapes rather than substitute another path.
       vsa_cuda::Saved s;
       torch::Tensor o = vsa_cuda::forward(q, k, v, gate, tiling, ro, &s);
-      ctx->save_for_backward({q, k, v, gate, s.tiled_q, s.tiled_k, s.tiled_v, s.o_fine_hp, s.m, s.l,
-                              s.sel_index, s.sel_count, s.q_c, s.k_c, s.v_c, s.probs, s.out_c});
+      ctx->save_for_backward(with_inputs({q, k, v, gate}, pack_saved(s)));
       if (call.selection != nullptr) *call.selection = vsa_cuda::selection_to_host(s);
       return o;
     }
@@ -196,20 +261,7 @@ class VsaFunction : public torch::autograd::Function<VsaFunction> {
                shape_str(q0), ", found ", d_o.defined() ? shape_str(d_o) : std::string("undefined"));
 #ifdef VQAD_VSA_CUDA_PATH
     if (q0.is_cuda()) {
-      vsa_cuda::Saved s;
-      s.tiled_q = sv[4];
-      s.tiled_k = sv[5];
-      s.tiled_v = sv[6];
-      s.o_fine_hp = sv[7];
-      s.m = sv[8];
-      s.l = sv[9];
-      s.sel_index = sv[10];
-      s.sel_count = sv[11];
-      s.q_c = sv[12];
-      s.k_c = sv[13];
-      s.v_c = sv[14];
-      s.probs = sv[15];
-      s.out_c = sv[16];
+      const vsa_cuda::Saved s = unpack_saved_cuda(sv);
       vsa_cuda::Grads g = vsa_cuda::backward(sv[0], sv[1], sv[2], sv[3], s, d_o, tiling, ro);
       return {g.dq.to(q_dtype), g.dk.to(k_dtype), g.dv.to(v_dtype),
               sv[3].defined() ? g.dgate.to(g_dtype) : torch::Tensor(), torch::Tensor()};
@@ -217,22 +269,7 @@ class VsaFunction : public torch::autograd::Function<VsaFunction> {
 #endif
     torch::Tensor q32 = sv[0], k32 = sv[1], v32 = sv[2], g32 = sv[3];
     const int64_t B = q32.size(0), L = q32.size(1), H = q32.size(2), D = q32.size(3);
-    ref::Saved saved;
-    saved.o_fine_hp = to_vector<float>(sv[4]);
-    saved.m = to_vector<float>(sv[5]);
-    saved.l = to_vector<float>(sv[6]);
-    saved.selection.batch = B;
-    saved.selection.heads = H;
-    saved.selection.num_q_cubes = sv[7].size(2);
-    saved.selection.max_kv = sv[7].size(3);
-    saved.selection.index = to_vector<int32_t>(sv[7]);
-    saved.selection.count = to_vector<int32_t>(sv[8]);
-    saved.coarse.q_c = to_vector<float>(sv[9]);
-    saved.coarse.k_c = to_vector<float>(sv[10]);
-    saved.coarse.v_c = to_vector<float>(sv[11]);
-    saved.coarse.scores = to_vector<float>(sv[12]);
-    saved.coarse.probs = to_vector<float>(sv[13]);
-    saved.coarse.out_c = to_vector<float>(sv[14]);
+    const ref::Saved saved = unpack_saved(sv, B, H);
     d_o = d_o.to(torch::kCPU).to(torch::kFloat32);
     if (d_o.stride(3) != 1) d_o = d_o.contiguous();
     auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
