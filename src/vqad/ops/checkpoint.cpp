@@ -13,69 +13,6 @@ using torch::autograd::variable_list;
 // Travels in the autograd context as an IValue capsule. Parameters are referenced, not
 // saved: they are module-owned leaves, and modifying them between forward and backward
 // would invalidate any autograd graph anyway.
-struct CheckpointState : torch::CustomClassHolder {
-  CheckpointedFn fn;
-  size_t num_inputs = 0;
-  std::vector<torch::Tensor> params;
-};
-
-class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
- public:
-  // `all` = inputs followed by params; only the inputs are passed to fn.
-  static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<CheckpointState> state,
-                               at::TensorList all) {
-    std::vector<torch::Tensor> inputs(all.begin(), all.begin() + state->num_inputs);
-    state->params.assign(all.begin() + state->num_inputs, all.end());
-    torch::Tensor out;
-    {
-      torch::NoGradGuard no_grad;
-      out = state->fn(inputs);
-    }
-    VQAD_CHECK(out.defined(), "checkpoint: the checkpointed function returned no tensor");
-    ctx->save_for_backward(inputs);
-    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    return out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto capsule = ctx->saved_data["state"].toCapsule();
-    auto* state = static_cast<CheckpointState*>(capsule.get());
-    auto saved = ctx->get_saved_variables();
-    const auto& params = state->params;
-    const auto& grad_out = grad_outputs.at(0);
-
-    std::vector<torch::Tensor> inputs;
-    inputs.reserve(saved.size());
-    for (const auto& t : saved) {
-      auto d = t.detach();
-      d.requires_grad_(t.requires_grad());
-      inputs.push_back(d);
-    }
-    torch::Tensor out;
-    {
-      torch::AutoGradMode enable(true);
-      out = state->fn(inputs);
-    }
-
-    // One slot for the state argument, then one per tensor of `all`.
-    variable_list result(1 + inputs.size() + params.size());
-    if (!grad_out.defined() || !out.requires_grad()) return result;
-
-    std::vector<torch::Tensor> wrt;
-    std::vector<size_t> slot;
-    for (size_t i = 0; i < inputs.size(); ++i)
-      if (inputs[i].requires_grad()) wrt.push_back(inputs[i]), slot.push_back(1 + i);
-    for (size_t i = 0; i < params.size(); ++i)
-      if (params[i].requires_grad())
-        wrt.push_back(params[i]), slot.push_back(1 + inputs.size() + i);
-    if (wrt.empty()) return result;
-    auto grads = torch::autograd::grad({out}, wrt, {grad_out}, /*retain_graph=*/false,
-                                       /*create_graph=*/false, /*allow_unused=*/true);
-    for (size_t i = 0; i < grads.size(); ++i) result[slot[i]] = grads[i];
-    return result;
-  }
-};
-
 struct MultiCheckpointState : torch::CustomClassHolder {
   CheckpointedMultiFn fn;
   size_t num_inputs = 0;
@@ -162,16 +99,8 @@ std::vector<torch::Tensor> checkpoint_multi(CheckpointedMultiFn fn, const std::v
 torch::Tensor checkpoint(CheckpointedFn fn, const std::vector<torch::Tensor>& inputs,
                          const std::vector<torch::Tensor>& params) {
   VQAD_CHECK(static_cast<bool>(fn), "checkpoint: no function given");
-  for (size_t i = 0; i < inputs.size(); ++i)
-    VQAD_CHECK(inputs[i].defined(), "checkpoint: input ", i, " is undefined");
-  for (size_t i = 0; i < params.size(); ++i)
-    VQAD_CHECK(params[i].defined(), "checkpoint: parameter ", i, " is undefined");
-  auto state = c10::make_intrusive<CheckpointState>();
-  state->fn = std::move(fn);
-  state->num_inputs = inputs.size();
-  std::vector<torch::Tensor> all(inputs);
-  all.insert(all.end(), params.begin(), params.end());
-  return CheckpointFunction::apply(state, at::TensorList(all));
+  auto one = [fn = std::move(fn)](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{fn(in)}; };
+  return checkpoint_multi(std::move(one), inputs, params).at(0);
 }
 
 }  // namespace vqad::ops
