@@ -39,6 +39,7 @@
 #include "vqad/train/metadata.h"
 #include "vqad/train/role_quant.h"
 #include "vqad/train/trainer.h"
+#include "test_dist_util.h"
 #include "test_export_util.h"
 #include "test_train_util.h"
 
@@ -411,6 +412,36 @@ TEST(QadCalibrate, TableEqualsIndependentMaxAndTrainingLoadsIt) {
   std::ifstream lf(root / "cli.log");
   const std::string log((std::istreambuf_iterator<char>(lf)), std::istreambuf_iterator<char>());
   EXPECT_NE(log.find("calibrated 4 static linear(s) over 6 sample(s)"), std::string::npos) << log;
+  fs::remove_all(root);
+}
+
+// Two launched ranks, batch 2 each: every rank sees its half of each global batch of 4 (the
+// same rows, noise and timesteps as one process with batch 4: per-rank sampling draws the
+// global batch), so the MAX over the ranks is the one-process table of batch 4.
+TEST(QadCalibrate, LaunchedRanksReduceWithMax) {
+  VQAD_SKIP_WITHOUT_GLOO();
+  const fs::path root = vqad::test_train::fresh_test_dir("vqad_qad_calib_dist");
+  vqad::test_train::write_tiny_dataset(root / "data", 12, 6);
+  std::string y = recipe(root / "data", (root / "run").string(), "nvfp4_qad");
+  {
+    std::ofstream(root / "recipe.yaml") << y;
+  }
+  const auto two = vqad::test_dist::run_vqad("launch --nproc 2 calibrate " + (root / "recipe.yaml").string() +
+                                                 " --out " + (root / "w2.json").string() +
+                                                 " --batches 2 --device cpu --dist-timeout 60",
+                                             root / "w2.log");
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_TRUE(vqad::test_dist::contains(two.output, "over 8 sample(s) (2 batch(es) x 2 rank(s), MAX across ranks)"))
+      << two.output;
+  const auto one = vqad::test_dist::run_vqad("calibrate " + (root / "recipe.yaml").string() + " --out " +
+                                                 (root / "w1.json").string() +
+                                                 " --batches 2 --device cpu --training.data.train_batch_size 4",
+                                             root / "w1.log");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  std::ifstream f1(root / "w1.json"), f2(root / "w2.json");
+  const auto t1 = nlohmann::json::parse(f1), t2 = nlohmann::json::parse(f2);
+  ASSERT_EQ(t1.size(), 4u);
+  EXPECT_EQ(t1, t2);
   fs::remove_all(root);
 }
 
