@@ -67,19 +67,23 @@ void reference_linear(const torch::Tensor& x2, const torch::Tensor& w, const tor
 }
 
 // Output agrees with the reference up to one BF16 rounding of the result plus the
-// worst-case fp32 accumulation error over K terms.
+// worst-case fp32 accumulation error over K terms. bias_after (the QAD linear's static /
+// unit modes, seeds/003's order): the GEMM output is rounded to BF16 before the bias is
+// added, one more BF16 rounding of the bias-free value.
 void expect_matches_reference(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& w,
-                              const torch::Tensor& b, float s_enc_x) {
+                              const torch::Tensor& b, float s_enc_x, bool bias_after = false) {
   const int64_t k = w.size(1), n = w.size(0);
   const torch::Tensor x2 = x.reshape({-1, k});
-  std::vector<double> ref, mag;
+  std::vector<double> ref, mag, ref_nobias, mag_nobias;
   reference_linear(x2, w, b, s_enc_x, &ref, &mag);
+  if (bias_after) reference_linear(x2, w, torch::Tensor(), s_enc_x, &ref_nobias, &mag_nobias);
   const torch::Tensor yf = y.reshape({-1, n}).to(torch::kFloat32).contiguous();
   ASSERT_EQ(yf.numel(), static_cast<int64_t>(ref.size()));
   int bad = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     const double got = yf.data_ptr<float>()[i];
-    const double tol = std::ldexp(std::fabs(ref[i]), -8) + std::ldexp(double(k) * mag[i], -23) + 1e-30;
+    double tol = std::ldexp(std::fabs(ref[i]), -8) + std::ldexp(double(k) * mag[i], -23) + 1e-30;
+    if (bias_after) tol += std::ldexp(std::fabs(ref_nobias[i]), -8);
     if (!(std::fabs(got - ref[i]) <= tol) && ++bad < 5) {
       ADD_FAILURE() << "output " << i << ": got " << got << ", reference " << ref[i] << " (tol " << tol << ")";
     }
@@ -154,8 +158,8 @@ TEST(Nvfp4LinearCpu, StaticAndUnitActivationScales) {
   const torch::Tensor w = heavy_tailed({19, 32}, 5);
   const torch::Tensor b = torch::randn({19});
   const float amax = 7.25f;  // below the true amax: saturating blocks included
-  expect_matches_reference(vqad::ops::nvfp4_linear(x, w, b, ScaleMode::kStatic, amax), x, w, b, 2688.0f / amax);
-  expect_matches_reference(vqad::ops::nvfp4_linear(x, w, b, ScaleMode::kUnit), x, w, b, 1.0f);
+  expect_matches_reference(vqad::ops::nvfp4_linear(x, w, b, ScaleMode::kStatic, amax), x, w, b, 2688.0f / amax, true);
+  expect_matches_reference(vqad::ops::nvfp4_linear(x, w, b, ScaleMode::kUnit), x, w, b, 1.0f, true);
   Nvfp4QadLinear stat("blocks.4.ffn.net.0.proj", ScaleMode::kStatic, amax);
   Nvfp4QadLinear unit("blocks.4.attn1.to_k", ScaleMode::kUnit);
   EXPECT_TRUE(torch::equal(stat.forward(x, w, b), vqad::ops::nvfp4_linear(x, w, b, ScaleMode::kStatic, amax)));

@@ -26,6 +26,7 @@ void register_sample_commands(CLI::App& app);
 void register_bench_vae_commands(CLI::App& app);  // bench/bench_vae.cpp
 void register_launch_commands(CLI::App& app);  // cmd_launch.cpp: `vqad launch`, `vqad dist check`
 void register_bench_checkpoint_commands(CLI::App& app);  // bench/bench_checkpoint.cpp
+void register_calibrate_commands(CLI::App& app);  // cmd_calibrate.cpp: `vqad calibrate`
 }  // namespace vqad::cli
 
 namespace {
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
   vqad::cli::register_version_commands(app);
   vqad::cli::register_train_commands(app);
   vqad::cli::register_export_commands(app);
+  vqad::cli::register_calibrate_commands(app);
   vqad::cli::register_sample_commands(app);
   vqad::cli::register_launch_commands(app);
   vqad::cli::register_plot_commands(app);

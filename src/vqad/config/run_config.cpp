@@ -2,6 +2,8 @@
 // resolved dump and hashes.
 #include "vqad/config/run_config.h"
 
+#include "vqad/config/linear_quantization.h"
+
 #include <algorithm>
 #include <fstream>
 #include <sstream>
@@ -55,7 +57,7 @@ std::vector<const config::SectionSchema*> run_config_schemas() {
 
 namespace {
 
-void validate_roles(const Ctx& ctx, const RunConfig& c, const Json& raw_models) {
+void validate_roles(const Ctx& ctx, const RunConfig& c, const Json& raw_models, const Json* training) {
   std::vector<std::string> need = c.method.roles();
   const char* mname = method_name(c.method.kind);
   for (const auto& r : need)
@@ -90,12 +92,41 @@ void validate_roles(const Ctx& ctx, const RunConfig& c, const Json& raw_models) 
                "(VSA_TRAIN, VSA_TRAIN_C64, VSA_TRAIN_C128, VSA_QAT_TRAIN_C64, VSA_QAT_TRAIN_C128), found ",
                attention_backend_name(b), "; for a dense student remove to_gate_compress from method.trainable_modules");
   }
+  {
+    // training.linear_quantization acts on the student's NVFP4 linears: with dense linears, or
+    // an amax table for a method without static scales, a set key would do nothing.
+    const LinearQuantizationConfig q = sections::parse_linear_quantization(ctx, training);
+    const LinearQuantizationConfig d;
+    const std::string sq = c.models.at("student").quant_config;
+    const std::string p = "training.linear_quantization.";
+    if (sq == "none") {
+      auto refuse = [&](bool set, const char* k) {
+        if (set) key_fail(ctx, p + k, "the student's linears are dense (quant_config none); set "
+                          "pipeline.dit_config.quant_config or models.student.quant_config, or remove the key");
+      };
+      refuse(!q.act_amax_json.empty(), "act_amax_json");
+      refuse(q.quantize_attention != d.quantize_attention, "quantize_attention");
+      refuse(q.quantize_ffn != d.quantize_ffn, "quantize_ffn");
+      refuse(q.quantize_gate != d.quantize_gate, "quantize_gate");
+      refuse(!q.skip_blocks.empty(), "skip_blocks");
+      refuse(q.shared_qkv_scale, "shared_qkv_scale");
+    } else if (sq != "nvfp4_qad" && !q.act_amax_json.empty()) {
+      key_fail(ctx, p + "act_amax_json", "quant_config ", sq, " has no static (calibrated) activation scales; the "
+               "amax table applies to nvfp4_qad");
+    }
+  }
   config::check(c.training.optimizer.learning_rate > 0.0, ctx, "training.optimizer.learning_rate",
                 std::string("method ") + mname + " trains the student; learning_rate must be > 0, found " +
                     config::format_double(c.training.optimizer.learning_rate));
 }
 
 }  // namespace
+
+LinearQuantizationConfig linear_quantization_config(const RunConfig& run) {
+  const Json& t = run.resolved.is_object() && run.resolved.contains("training") ? run.resolved["training"] : Json();
+  Ctx ctx{run.source_path.empty() ? std::string("<resolved>") : run.source_path};
+  return sections::parse_linear_quantization(ctx, t.is_object() ? &t : nullptr);
+}
 
 RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
                            const std::string& source_name) {
@@ -130,7 +161,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
                      sections::parse_role(ctx, it.key(), it.value(), c.training, c.pipeline.quant_config));
   c.method = sections::parse_method(ctx, method);
   c.callbacks = sections::parse_callbacks(ctx, callbacks);
-  validate_roles(ctx, c, *models);
+  validate_roles(ctx, c, *models, training);
 
   c.resolved = Json::object();
   Json rm = Json::object();
@@ -138,6 +169,10 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
   c.resolved["models"] = rm;
   c.resolved["method"] = sections::to_json(c.method);
   c.resolved["training"] = sections::to_json(c.training);
+  // Only when the recipe has the section, so that recipes without it resolve as before.
+  if (training->is_object() && training->contains("linear_quantization") &&
+      !(*training)["linear_quantization"].is_null())
+    c.resolved["training"]["linear_quantization"] = sections::to_json(sections::parse_linear_quantization(ctx, training));
   c.resolved["callbacks"] = sections::to_json(c.callbacks, callbacks ? *callbacks : Json::object());
   c.resolved["pipeline"] = sections::to_json(c.pipeline);
   c.resolved_yaml = dump_yaml(c.resolved);

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "vqad/config/linear_quantization.h"
 #include "vqad/config/sections.h"
 
 namespace vqad::train::sections {
@@ -135,6 +136,29 @@ const SectionSchema& vsa_schema() {
   return s;
 }
 
+const SectionSchema& linear_quantization_schema() {
+  static const SectionSchema s{
+      "training.linear_quantization",
+      {
+          key("act_amax_json", K::kString, "",
+              "nvfp4_qad: JSON table {\"b<block>.<sub>\": amax} of the static (FFN) linears' calibrated input amax, "
+              "as `vqad calibrate` writes it; every static linear must have an entry"),
+          key("calibration_batches", K::kInt, 8,
+              "`vqad calibrate`: training batches run through the student to record max|x| of the static linears"),
+          key("quantize_attention", K::kBool, true,
+              "quantize the targeted attention projections (to_q, to_k, to_v, to_out of self- and cross-attention)"),
+          key("quantize_ffn", K::kBool, true, "quantize the targeted FFN linears"),
+          key("quantize_gate", K::kBool, false,
+              "also quantize the VSA compression gates to_gate_compress (unit activation scale for nvfp4_qad), as "
+              "seeds/003 does; needs a VSA student"),
+          key("skip_blocks", K::kIntList, Json::array(), "transformer block indices whose linears stay high precision"),
+          key("shared_qkv_scale", K::kBool, false,
+              "one weight and one activation global scale for the q/k/v of each self-attention and the k/v of each "
+              "cross-attention, in training and in the packed export (engines that fuse QKV require it)"),
+      }};
+  return s;
+}
+
 const SectionSchema& model_schema() {
   static const SectionSchema s{
       "training.model",
@@ -165,6 +189,7 @@ const SectionSchema& training_schema() {
           key("tracker", K::kMapping, nullptr, "metric sinks"),
           key("vsa", K::kMapping, nullptr, "video-sparse attention"),
           key("model", K::kMapping, nullptr, "flow-matching details of the student"),
+          key("linear_quantization", K::kMapping, nullptr, "the student's NVFP4 linears (plan toggles, amax table)"),
           choice_key("dit_precision", {"fp32", "bf16"}, "fp32", "master weight precision (vqad keeps fp32)", true),
           key("model_path", K::kString, nullptr, "default: models.student.init_from", true),
       }};
@@ -214,7 +239,8 @@ std::string fmt(double v) { return format_double(v); }
 const std::vector<const SectionSchema*>& training_schemas() {
   static const std::vector<const SectionSchema*> v = {
       &training_schema(), &distributed_schema(), &data_schema(),  &optimizer_schema(), &loop_schema(),
-      &checkpoint_schema(), &tracker_schema(), &vsa_schema(), &model_schema()};
+      &checkpoint_schema(), &tracker_schema(), &vsa_schema(), &model_schema(),
+      &linear_quantization_schema()};
   return v;
 }
 
@@ -387,6 +413,7 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
     check_checkpointing_type(ctx, "training.model.enable_gradient_checkpointing_type",
                              x.enable_gradient_checkpointing_type);
   }
+  (void)t.get("linear_quantization");  // read by parse_linear_quantization (run_config.cpp)
   c.dit_precision = t.choice("dit_precision");
   c.model_path = t.str("model_path", "");
   if (c.model_path.empty() && models.is_object() && models.contains("student") && models["student"].is_object() &&
@@ -402,6 +429,43 @@ void check_checkpointing_type(const Ctx& ctx, const std::string& path, const std
   if (value == "ops" || value == "block_skip")
     key_fail(ctx, path, "'", value, "' is not supported yet (vqad recomputes whole blocks: use full, or leave it "
              "unset for no recompute)");
+}
+
+LinearQuantizationConfig parse_linear_quantization(const Ctx& ctx, const Json* training) {
+  LinearQuantizationConfig x;
+  const Json* node = training && training->is_object() && training->contains("linear_quantization")
+                         ? &(*training)["linear_quantization"]
+                         : nullptr;
+  if (node && node->is_null()) node = nullptr;
+  if (node && !node->is_object())
+    fail("config ", ctx.source, ": key 'training.linear_quantization': expected a mapping, found ", describe(*node));
+  Section q(ctx, node, linear_quantization_schema(), "training.linear_quantization");
+  x.act_amax_json = q.str("act_amax_json");
+  x.calibration_batches = q.i64("calibration_batches");
+  x.quantize_attention = q.boolean("quantize_attention");
+  x.quantize_ffn = q.boolean("quantize_ffn");
+  x.quantize_gate = q.boolean("quantize_gate");
+  x.skip_blocks = q.i64_list("skip_blocks");
+  x.shared_qkv_scale = q.boolean("shared_qkv_scale");
+  q.finish();
+  check(x.calibration_batches >= 1, ctx, "training.linear_quantization.calibration_batches",
+        "must be >= 1, found " + std::to_string(x.calibration_batches));
+  for (auto b : x.skip_blocks)
+    check(b >= 0, ctx, "training.linear_quantization.skip_blocks",
+          "block indices must be >= 0, found " + std::to_string(b));
+  check(x.quantize_attention || x.quantize_ffn || x.quantize_gate, ctx, "training.linear_quantization",
+        "quantize_attention, quantize_ffn and quantize_gate are all false (for dense linears set quant_config none)");
+  return x;
+}
+
+Json to_json(const LinearQuantizationConfig& q) {
+  return {{"act_amax_json", q.act_amax_json},
+          {"calibration_batches", q.calibration_batches},
+          {"quantize_attention", q.quantize_attention},
+          {"quantize_ffn", q.quantize_ffn},
+          {"quantize_gate", q.quantize_gate},
+          {"skip_blocks", q.skip_blocks.empty() ? Json::array() : Json(q.skip_blocks)},
+          {"shared_qkv_scale", q.shared_qkv_scale}};
 }
 
 }  // namespace vqad::train::sections

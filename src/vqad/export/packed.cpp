@@ -144,6 +144,18 @@ ExportSummary export_packed(const Source& src, const std::string& out_dir, const
     ignore.push_back(key.substr(0, key.size() - 7));
   }
 
+  // Shared global scales (plan.shared_qkv_scale): one weight amax per q/k/v group, the max
+  // over its members' bf16 weights; static members take the group's max input amax.
+  std::map<std::string, float> shared_weight_amax;
+  nlohmann::json shared_groups = nlohmann::json::object();
+  for (const auto& [group, members] : model::shared_scale_groups(plan)) {
+    float m = 0.0f;
+    for (const auto& mod : members) m = std::fmax(m, ops::bf16_amax_cpu(state.tensors.at(mod + ".weight")));
+    for (const auto& mod : members) shared_weight_amax[mod] = m;
+    shared_groups[group] = members;
+  }
+  const std::map<std::string, float> group_input_amax = model::shared_group_input_amax(plan, table);
+
   ExportSummary summary;
   summary.out_dir = out_dir;
   summary.format = kPackedFormat;
@@ -167,9 +179,11 @@ ExportSummary export_packed(const Source& src, const std::string& out_dir, const
                  tkey, "' in ", o.act_amax_json.empty() ? "training_contract.linear_quantization.input_amax"
                                                         : o.act_amax_json,
                  ")");
-      amax = *a;
+      amax = group_input_amax.count(e.module) ? group_input_amax.at(e.module) : *a;
     }
-    const PackedLinear p = pack_linear(e.module, t, e.activation_mode, amax, o.swizzled_scales);
+    std::optional<float> wamax;
+    if (auto w = shared_weight_amax.find(e.module); w != shared_weight_amax.end()) wamax = w->second;
+    const PackedLinear p = pack_linear(e.module, t, e.activation_mode, amax, o.swizzled_scales, wamax);
     const int64_t n = t.size(0), k = t.size(1);
     summary.quantized_linears += 1;
     summary.quantized_parameters += n * k;
@@ -223,6 +237,7 @@ ExportSummary export_packed(const Source& src, const std::string& out_dir, const
                       {"swizzled_scales", o.swizzled_scales},
                       {"quant_plan", plan.to_json()},
                       {"packed_linears", linears},
+                      {"shared_scale_groups", shared_groups},
                       {"layout",
                        {{"weight", "U8 [N, K/2], E2M1 codes, even k in the low nibble"},
                         {"weight_scale", "F8_E4M3 [N, K/16] row-major block decode scales (all-zero blocks: 1.0)"},
@@ -279,7 +294,7 @@ nlohmann::json model_metadata(const std::string& path, std::string* role) {
 }
 
 PackedLinear pack_linear(const std::string& module, const torch::Tensor& weight, ScaleMode act_mode,
-                         std::optional<float> act_amax, bool swizzled_scales) {
+                         std::optional<float> act_amax, bool swizzled_scales, std::optional<float> weight_amax) {
   VQAD_CHECK(weight.defined() && weight.dim() == 2, "pack NVFP4 linear '", module, "': expected a weight [N, K], got ",
              weight.defined() ? ops::shape_str(weight.sizes()) : std::string("undefined"));
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -292,7 +307,10 @@ PackedLinear pack_linear(const std::string& module, const torch::Tensor& weight,
   const torch::Tensor wb = weight.detach().to(torch::kCPU).to(torch::kBFloat16).to(torch::kFloat32).contiguous();
   VQAD_CHECK(torch::isfinite(wb).all().item<bool>(), "pack NVFP4 linear '", module,
              "': the weight holds non-finite values (after rounding to BF16); refusing to pack");
-  const float s_enc = nvfp4::encode_scale_from_amax(ops::bf16_amax_cpu(wb));
+  const float own_amax = ops::bf16_amax_cpu(wb);
+  VQAD_CHECK(!weight_amax || (*weight_amax >= own_amax && std::isfinite(*weight_amax)), "pack NVFP4 linear '", module,
+             "': a shared weight amax must be finite and cover the weight's own amax ", own_amax);
+  const float s_enc = nvfp4::encode_scale_from_amax(weight_amax ? *weight_amax : own_amax);
   const nvfp4::QuantizedMatrix q = nvfp4::quantize_matrix(wb.data_ptr<float>(), n, k, s_enc);
   std::vector<uint8_t> scales = q.scales;
   for (auto& b : scales)

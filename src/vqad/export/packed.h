@@ -49,8 +49,11 @@ struct PackedLinear {
 // linear quantizes it. act_mode: dynamic (no input_scale), unit (input_scale 1) or static
 // (input_scale = 1 / s_enc_x of act_amax). Errors name the module: K % 16 != 0,
 // non-finite weights, a static mode without a positive amax.
+// weight_amax replaces amax(bf16(W)) in the weight scale: the shared scale of a q/k/v
+// group (linear_quantization.shared_qkv_scale), the max over the group's weights.
 PackedLinear pack_linear(const std::string& module, const torch::Tensor& weight, nvfp4::ScaleMode act_mode,
-                         std::optional<float> act_amax, bool swizzled_scales);
+                         std::optional<float> act_amax, bool swizzled_scales,
+                         std::optional<float> weight_amax = std::nullopt);
 
 // ModelOpt's converted config.json block for a plan; `ignore` lists the linears left unquantized.
 nlohmann::json modelopt_quantization_config(const model::QuantPlan& plan, const std::vector<std::string>& ignore);

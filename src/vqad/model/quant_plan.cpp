@@ -151,6 +151,45 @@ bool is_ffn_linear(const std::string& name) {
   return contains_any(name, ffn) || contains_any(wan_fastvideo_internal_name(name), ffn);
 }
 
+std::string linear_kind(const std::string& name) {
+  if (is_ffn_linear(name)) return "ffn";
+  if (name.find("to_gate_compress") != std::string::npos) return "gate";
+  return "attention";
+}
+
+std::vector<std::pair<std::string, std::vector<std::string>>> shared_scale_groups(const QuantPlan& plan) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> groups;
+  if (!plan.shared_qkv_scale) return groups;
+  // On FastVideo's internal names: self-attention blocks.N.to_q/k/v, cross-attention
+  // blocks.N.attn2.to_k/v (attn2.to_q has another input and keeps its own scale).
+  static const std::regex self_re(R"(^((?:.*\.)?blocks\.\d+)\.to_(q|k|v)$)");
+  static const std::regex cross_re(R"(^((?:.*\.)?blocks\.\d+)\.attn2\.to_(k|v)$)");
+  std::map<std::string, size_t> index;
+  for (const auto& e : plan.entries) {
+    const std::string internal = wan_fastvideo_internal_name(e.module);
+    std::smatch m;
+    std::string group;
+    if (std::regex_search(internal, m, self_re)) {
+      group = m[1].str() + ".attn1.qkv";
+    } else if (std::regex_search(internal, m, cross_re)) {
+      group = m[1].str() + ".attn2.kv";
+    } else {
+      continue;
+    }
+    auto it = index.find(group);
+    if (it == index.end()) {
+      index[group] = groups.size();
+      groups.push_back({group, {e.module}});
+    } else {
+      groups[it->second].second.push_back(e.module);
+    }
+  }
+  std::vector<std::pair<std::string, std::vector<std::string>>> out;
+  for (auto& g : groups)
+    if (g.second.size() >= 2) out.push_back(std::move(g));
+  return out;
+}
+
 const QuantPlanEntry* QuantPlan::find(const std::string& module) const {
   for (const auto& e : entries) {
     if (e.module == module) return &e;
@@ -180,6 +219,7 @@ nlohmann::json QuantPlan::to_json() const {
                     {"activation", nvfp4::scale_mode_name(e.activation_mode)}});
   }
   j["linears"] = std::move(list);
+  if (shared_qkv_scale) j["shared_qkv_scale"] = true;
   return j;
 }
 
@@ -199,6 +239,10 @@ QuantPlan QuantPlan::from_json(const nlohmann::json& j, const std::string& where
     p.entries.push_back({e["module"].get<std::string>(), mode_from_json(e, "weight", w),
                          mode_from_json(e, "activation", w)});
   }
+  if (j.contains("shared_qkv_scale")) {
+    VQAD_CHECK(j["shared_qkv_scale"].is_boolean(), where, ": 'shared_qkv_scale' must be true or false");
+    p.shared_qkv_scale = j["shared_qkv_scale"].get<bool>();
+  }
   if (j.contains("count")) {
     VQAD_CHECK(j["count"].is_number_integer() && j["count"].get<size_t>() == p.entries.size(), where,
                ": 'count' does not match the number of linears (", p.entries.size(), ")");
@@ -211,20 +255,41 @@ QuantPlan build_quant_plan(const std::vector<std::string>& linear_names, const Q
   plan.method = config.method;
   plan.target_prefix_substrings = config.target_prefix_substrings;
   if (!config.enabled()) return plan;
+  plan.shared_qkv_scale = config.shared_qkv_scale;
   VQAD_CHECK(!config.target_prefix_substrings.empty(), "quant plan (", quant_method_name(config.method),
              "): target_prefix_substrings is empty");
+  VQAD_CHECK(config.quantize_attention || config.quantize_ffn || config.quantize_gate, "quant plan (",
+             quant_method_name(config.method), "): quantize_attention, quantize_ffn and quantize_gate are all false");
+  std::set<int64_t> skip(config.skip_blocks.begin(), config.skip_blocks.end());
+  std::set<int64_t> blocks;
+  bool any_gate = false;
   std::set<std::string> seen;
   for (const auto& name : linear_names) {
     VQAD_CHECK(seen.insert(name).second, "quant plan: linear name '", name, "' appears twice");
-    const bool targeted = contains_any(name, config.target_prefix_substrings) ||
-                          contains_any(wan_fastvideo_internal_name(name), config.target_prefix_substrings);
+    const std::string kind = linear_kind(name);
+    int block = -1;
+    const bool in_block = split_block_name(name, &block, nullptr);
+    if (in_block) blocks.insert(block);
+    any_gate = any_gate || kind == "gate";
+    // The gate is quantized iff quantize_gate (seeds/003), whatever the substrings say.
+    const bool targeted = kind == "gate" ? config.quantize_gate
+                                         : contains_any(name, config.target_prefix_substrings) ||
+                                               contains_any(wan_fastvideo_internal_name(name),
+                                                            config.target_prefix_substrings);
     if (!targeted) continue;
+    if ((kind == "ffn" && !config.quantize_ffn) || (kind == "attention" && !config.quantize_attention)) continue;
+    if (in_block && skip.count(block)) continue;
     QuantPlanEntry e{name, ScaleMode::kDynamic, ScaleMode::kDynamic};
     if (config.method == QuantMethod::kNvfp4Qad) {
       e.activation_mode = is_ffn_linear(name) ? ScaleMode::kStatic : ScaleMode::kUnit;
     }
     plan.entries.push_back(std::move(e));
   }
+  VQAD_CHECK(!config.quantize_gate || any_gate, "quant plan: quantize_gate is set but the model has no "
+             "to_gate_compress linears (only VSA models have compression gates)");
+  for (int64_t b : config.skip_blocks)
+    VQAD_CHECK(blocks.count(b), "quant plan: skip_blocks lists block ", b, " but the model's blocks are ",
+               blocks.empty() ? std::string("none") : "0.." + std::to_string(*blocks.rbegin()));
   if (plan.entries.empty()) {
     std::vector<std::string> sample(linear_names.begin(),
                                     linear_names.begin() + std::min<size_t>(linear_names.size(), 5));
@@ -282,8 +347,8 @@ const float* lookup_amax(const std::map<std::string, float>& table, const std::s
     int block = 0;
     std::string sub;
     if (!split_block_name(name, &block, &sub)) continue;
-    for (const std::string& key :
-         {"b" + std::to_string(block) + "." + sub, "blocks." + std::to_string(block) + "." + sub}) {
+    for (const std::string& key : {"b" + std::to_string(block) + "." + sub, "blocks." + std::to_string(block) + "." + sub,
+                                   "transformer_blocks." + std::to_string(block) + "." + sub}) {
       it = table.find(key);
       if (it != table.end()) return &it->second;
     }
@@ -291,9 +356,35 @@ const float* lookup_amax(const std::map<std::string, float>& table, const std::s
   return nullptr;
 }
 
+std::map<std::string, float> shared_group_input_amax(const QuantPlan& plan,
+                                                     const std::map<std::string, float>& amax_table) {
+  // The unit and dynamic activation scales of a group's members are equal already (they
+  // share the input); static members take the group's max calibrated amax.
+  std::map<std::string, float> out;
+  for (const auto& [group, members] : shared_scale_groups(plan)) {
+    std::optional<float> m;
+    bool complete = true;
+    for (const auto& mod : members) {
+      const QuantPlanEntry* e = plan.find(mod);
+      if (e->activation_mode != ScaleMode::kStatic) continue;
+      const float* a = lookup_amax(amax_table, mod);
+      if (!a) {
+        complete = false;  // an uncalibrated member is reported where its amax is needed
+        break;
+      }
+      m = m ? std::max(*m, *a) : *a;
+    }
+    if (complete && m)
+      for (const auto& mod : members)
+        if (plan.find(mod)->activation_mode == ScaleMode::kStatic) out[mod] = *m;
+  }
+  return out;
+}
+
 std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> make_linear_quants(
     const QuantPlan& plan, const QuantConfig& config, const std::map<std::string, float>& amax_table) {
   std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> out;
+  const std::map<std::string, float> group_amax = shared_group_input_amax(plan, amax_table);
   for (const auto& e : plan.entries) {
     VQAD_CHECK(e.weight_mode == ScaleMode::kDynamic, "quant plan: linear '", e.module, "' has weight scale ",
                nvfp4::scale_mode_name(e.weight_mode), "; only dynamic weight scales are implemented");
@@ -305,6 +396,7 @@ std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> make_line
       std::optional<float> amax;
       if (e.activation_mode == ScaleMode::kStatic) {
         if (const float* a = lookup_amax(amax_table, e.module)) amax = *a;
+        if (amax && group_amax.count(e.module)) amax = group_amax.at(e.module);
         if (!amax && !config.allow_uncalibrated) {
           int block = 0;
           std::string sub;
@@ -313,7 +405,7 @@ std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> make_line
                                       : e.module;
           fail("quant plan: no calibrated input amax for static linear '", e.module, "' (table key '", key,
                "'", config.act_amax_json.empty() ? std::string() : " in " + config.act_amax_json,
-               "); calibrate first or set allow_uncalibrated");
+               "); run `vqad calibrate` and give its table (training.linear_quantization.act_amax_json)");
         }
       }
       out.emplace_back(e.module, std::make_shared<ops::Nvfp4QadLinear>(e.module, e.activation_mode, amax,
@@ -332,6 +424,30 @@ std::vector<std::shared_ptr<ops::Nvfp4QadLinear>> qad_linears(
     if (auto qad = std::dynamic_pointer_cast<ops::Nvfp4QadLinear>(q)) out.push_back(qad);
   }
   return out;
+}
+
+void attach_shared_weight_scales(const QuantPlan& plan,
+                                 const std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>& quants,
+                                 const std::function<torch::Tensor(const std::string&)>& weight_of) {
+  std::map<std::string, std::shared_ptr<ops::LinearQuant>> by_name(quants.begin(), quants.end());
+  for (const auto& [group, members] : shared_scale_groups(plan)) {
+    auto g = std::make_shared<ops::WeightScaleGroup>(group, members, [members, weight_of] {
+      std::vector<torch::Tensor> ws;
+      for (const auto& m : members) ws.push_back(weight_of(m));
+      return ws;
+    });
+    for (const auto& m : members) {
+      auto it = by_name.find(m);
+      VQAD_CHECK(it != by_name.end(), "shared_qkv_scale: linear '", m, "' of group ", group, " has no quant");
+      if (auto d = std::dynamic_pointer_cast<ops::Nvfp4DynamicLinear>(it->second)) {
+        d->set_weight_scale_group(g);
+      } else if (auto q = std::dynamic_pointer_cast<ops::Nvfp4QadLinear>(it->second)) {
+        q->set_weight_scale_group(g);
+      } else {
+        fail("shared_qkv_scale: linear '", m, "' (", it->second->describe(), ") cannot share a weight scale");
+      }
+    }
+  }
 }
 
 nlohmann::json export_amax_table(const std::vector<std::shared_ptr<ops::Nvfp4QadLinear>>& layers) {

@@ -6,6 +6,7 @@
 #pragma once
 #include <yaml-cpp/yaml.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -39,6 +40,17 @@ struct QuantConfig {
   // linears may be installed without one (to be calibrated before use).
   std::string act_amax_json;
   bool allow_uncalibrated = false;
+  // seeds/003's plan toggles (training.linear_quantization): which kinds of targeted
+  // linears are quantized (attention: to_q/k/v/out of self- and cross-attention; ffn: both
+  // FFN linears; gate: the VSA compression gate to_gate_compress, which the default targets
+  // leave out), and blocks left high precision.
+  bool quantize_attention = true;
+  bool quantize_ffn = true;
+  bool quantize_gate = false;
+  std::vector<int64_t> skip_blocks;
+  // One weight global scale (and one activation global scale) for the q/k/v of each
+  // self-attention and the k/v of each cross-attention (training and packed export).
+  bool shared_qkv_scale = false;
 
   bool enabled() const { return method != QuantMethod::kNone; }
 };
@@ -68,6 +80,7 @@ struct QuantPlan {
   QuantMethod method = QuantMethod::kNone;
   std::vector<std::string> target_prefix_substrings;
   std::vector<QuantPlanEntry> entries;
+  bool shared_qkv_scale = false;  // see QuantConfig; recorded as "shared_qkv_scale" (absent = false)
 
   bool empty() const { return entries.empty(); }
   const QuantPlanEntry* find(const std::string& module) const;
@@ -86,6 +99,14 @@ QuantPlan build_quant_plan(const std::vector<std::string>& linear_names, const Q
 
 // Whether a (Diffusers or FastVideo internal) linear name is an FFN linear.
 bool is_ffn_linear(const std::string& name);
+// The kind of a linear for the plan toggles: "ffn", "gate" (to_gate_compress) or "attention".
+std::string linear_kind(const std::string& name);
+
+// The shared-scale groups of a plan with shared_qkv_scale: group name
+// ("blocks.3.attn1.qkv", "blocks.3.attn2.kv") -> its members in plan order (q, k, v).
+// Self-attention q/k/v and cross-attention k/v of the same block form a group when at
+// least two of them are planned. Empty when the plan does not share scales.
+std::vector<std::pair<std::string, std::vector<std::string>>> shared_scale_groups(const QuantPlan& plan);
 
 // ---- activation-amax tables (QAD static scales) -------------------------------------
 // Splits "blocks.12.ffn.net.0.proj" (also "transformer_blocks.12....", "model.blocks...")
@@ -109,9 +130,21 @@ void save_amax_table(const std::vector<std::shared_ptr<ops::Nvfp4QadLinear>>& la
 // ---- attaching the plan to a model -----------------------------------------------
 // One LinearQuant per plan entry. QAD static linears take their amax from `amax_table`
 // (an error naming the module and its table key when absent, unless
-// config.allow_uncalibrated, which leaves them for a CalibrationScope).
+// config.allow_uncalibrated, which leaves them for a CalibrationScope). With
+// plan.shared_qkv_scale the static members of a group take the group's max amax.
 std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> make_linear_quants(
     const QuantPlan& plan, const QuantConfig& config, const std::map<std::string, float>& amax_table = {});
+
+// Static members of a shared-scale group -> the group's max calibrated amax (training and
+// packed export use it instead of the member's own table value).
+std::map<std::string, float> shared_group_input_amax(const QuantPlan& plan,
+                                                     const std::map<std::string, float>& amax_table);
+
+// Gives the members of every shared-scale group of `plan` one ops::WeightScaleGroup whose
+// weights come from `weight_of(module)` (read on every forward).
+void attach_shared_weight_scales(const QuantPlan& plan,
+                                 const std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>& quants,
+                                 const std::function<torch::Tensor(const std::string&)>& weight_of);
 
 // The QAD linears among `quants` (for calibration, enable/disable and table export).
 std::vector<std::shared_ptr<ops::Nvfp4QadLinear>> qad_linears(
@@ -140,6 +173,15 @@ std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> apply_qua
                names.size(), " linears)");
   }
   auto quants = make_linear_quants(plan, config, amax_table);
+  if (plan.shared_qkv_scale) {
+    if constexpr (requires { model.named_linears().front().second->weight; }) {
+      std::map<std::string, decltype(model.named_linears().front().second)> by_name;
+      for (auto& item : model.named_linears()) by_name.emplace(item.first, item.second);
+      attach_shared_weight_scales(plan, quants, [by_name](const std::string& m) { return by_name.at(m)->weight; });
+    } else {
+      fail("quant plan: shared_qkv_scale needs a model whose linears expose their weights");
+    }
+  }
   for (auto& [name, quant] : quants) model.attach_linear_quant(name, quant);
   return quants;
 }

@@ -78,17 +78,30 @@ torch::Tensor unit_gemm_cpu(const torch::Tensor& x, const torch::Tensor& wu, flo
   const torch::Tensor x2 = x.reshape({-1, k});
   const float s_enc_x = act_mode == ScaleMode::kDynamic ? nvfp4::encode_scale_from_amax(bf16_amax_cpu(x2))
                                                         : fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
-  const float alpha = (1.0f / s_enc_x) * w_dec;
+  const bool dynamic = act_mode == ScaleMode::kDynamic;
+  // seeds/003 (static / unit): alpha = (1 / w_sf) / input_sf, a reciprocal then a division.
+  const float alpha = dynamic ? (1.0f / s_enc_x) * w_dec : w_dec / s_enc_x;
   const torch::Tensor xu = nvfp4_unit_operand_cpu(x2, s_enc_x);
   torch::Tensor acc = torch::mm(xu, wu.t());  // fp32 accumulation of exact products
   acc.mul_(alpha);
-  if (bias.defined()) acc.add_(bias.to(torch::kBFloat16).to(torch::kFloat32));
-  return acc.to(torch::kBFloat16).to(x.scalar_type()).reshape(output_shape(x, n));
+  if (dynamic) {
+    if (bias.defined()) acc.add_(bias.to(torch::kBFloat16).to(torch::kFloat32));
+    return acc.to(torch::kBFloat16).to(x.scalar_type()).reshape(output_shape(x, n));
+  }
+  // seeds/003: the GEMM's BF16 output, then `out + bias.to(out.dtype)` in BF16.
+  torch::Tensor y = acc.to(torch::kBFloat16);
+  if (bias.defined()) y = (y.to(torch::kFloat32) + bias.to(torch::kBFloat16).to(torch::kFloat32)).to(torch::kBFloat16);
+  return y.to(x.scalar_type()).reshape(output_shape(x, n));
+}
+
+float weight_amax_value(const torch::Tensor& weight, const torch::Tensor& weight_amax) {
+  if (!weight_amax.defined()) return bf16_amax_cpu(weight);
+  return weight_amax.to(torch::kCPU, torch::kFloat32).reshape({-1})[0].item<float>();
 }
 
 torch::Tensor forward_cpu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                          ScaleMode act_mode, float act_amax) {
-  const float s_enc_w = nvfp4::encode_scale_from_amax(bf16_amax_cpu(weight));
+                          ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax) {
+  const float s_enc_w = nvfp4::encode_scale_from_amax(weight_amax_value(weight, weight_amax));
   return unit_gemm_cpu(x, nvfp4_unit_operand_cpu(weight, s_enc_w), 1.0f / s_enc_w, bias, act_mode, act_amax);
 }
 
@@ -105,25 +118,28 @@ void check_cuda_device(const torch::Tensor& x, const torch::Tensor& weight) {
              shape_str(weight), ": ", why);
 }
 
-// y = bf16(alpha * xu . wu^T + bf16(b)) for bf16 unit operands xu [M, K], wu [N, K], then x's dtype.
+// y = bf16(alpha * xu . wu^T + bf16(b)) for bf16 unit operands xu [M, K], wu [N, K], then x's dtype;
+// bias_after (static / unit, seeds/003): y = bf16(bf16(alpha * xu . wu^T) + bf16(b)).
 torch::Tensor unit_gemm_cuda(const torch::Tensor& x, const torch::Tensor& xu, const torch::Tensor& wu,
-                             const torch::Tensor& bias, const float* alpha_beta, cudaStream_t stream) {
+                             const torch::Tensor& bias, const float* alpha_beta, cudaStream_t stream,
+                             bool bias_after = false) {
   const int64_t m = xu.size(0), n = wu.size(0), k = wu.size(1);
   torch::Tensor bias_bf16;
   if (bias.defined()) bias_bf16 = bias.to(torch::kBFloat16).contiguous();
   // Compute dtype BF16 (spec/linear_qat.md): one bf16 rounding of alpha * acc + bias, then
-  // x's dtype, exactly as forward_cpu.
+  // x's dtype, exactly as forward_cpu (bias_after: the bias is added to the BF16 output).
   torch::Tensor y = torch::empty({m, n}, xu.options());
-  const void* bias_ptr = bias_bf16.defined() ? bias_bf16.data_ptr() : nullptr;
+  const void* bias_ptr = bias_bf16.defined() && !bias_after ? bias_bf16.data_ptr() : nullptr;
   const size_t ws_bytes = kl::gemm_workspace_bytes(m, n, bias_ptr, y.data_ptr());
   torch::Tensor workspace = torch::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(torch::kUInt8));
   kl::gemm_bf16_nt(xu.data_ptr(), wu.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, alpha_beta, workspace.data_ptr(),
                    ws_bytes, stream);
+  if (bias_after && bias_bf16.defined()) y = y + bias_bf16;  // bf16 + bf16: fp32 sum, one rounding
   return y.to(x.scalar_type()).reshape(output_shape(x, n));
 }
 
 torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                           ScaleMode act_mode, float act_amax) {
+                           ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax) {
   check_cuda_device(x, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -143,14 +159,20 @@ torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, 
   const bool dynamic = act_mode == ScaleMode::kDynamic;
   const float act_s_enc = dynamic ? 0.0f : fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
   if (dynamic) kl::launch_bf16_amax(x2.data_ptr(), elem_type(x2), x2.numel(), s + 0, stream);
-  kl::launch_bf16_amax(w2.data_ptr(), elem_type(w2), w2.numel(), s + 1, stream);
+  if (weight_amax.defined()) {
+    scalars.narrow(0, 1, 1).copy_(weight_amax.to(x.device(), torch::kFloat32).reshape({1}));
+  } else {
+    kl::launch_bf16_amax(w2.data_ptr(), elem_type(w2), w2.numel(), s + 1, stream);
+  }
   kl::launch_linear_scales(dynamic ? s + 0 : nullptr, act_s_enc, s + 1, s + 2, stream);
+  // seeds/003 (static / unit): alpha = (1 / s_enc_w) / s_enc_x, IEEE fp32 on the device.
+  if (!dynamic) scalars.narrow(0, 4, 1).copy_(scalars.narrow(0, 3, 1).reciprocal().div(scalars.narrow(0, 2, 1)));
   const auto bf16 = x.options().dtype(torch::kBFloat16);
   torch::Tensor xu = torch::empty({m, k}, bf16);
   torch::Tensor wu = torch::empty({n, k}, bf16);
   kl::launch_unit_operand(x2.data_ptr(), elem_type(x2), m, k, s + 2, xu.data_ptr(), stream);
   kl::launch_unit_operand(w2.data_ptr(), elem_type(w2), n, k, s + 3, wu.data_ptr(), stream);
-  return unit_gemm_cuda(x, xu, wu, bias, s + 4, stream);
+  return unit_gemm_cuda(x, xu, wu, bias, s + 4, stream, !dynamic);
 }
 
 // The packed (pre-quantized) linear on a GPU: wu is the stored unit-scaled weight
@@ -177,19 +199,24 @@ torch::Tensor forward_cuda_unit_weight(const torch::Tensor& x, const torch::Tens
   const float act_s_enc = dynamic ? 0.0f : fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
   if (dynamic) kl::launch_bf16_amax(x2.data_ptr(), elem_type(x2), x2.numel(), s + 0, stream);
   kl::launch_linear_scales(dynamic ? s + 0 : nullptr, act_s_enc, s + 1, s + 2, stream);
-  // alpha = (1 / s_enc_x) * w_dec, both IEEE-rounded fp32 operations, on the device (no sync).
-  scalars.narrow(0, 4, 1).copy_(scalars.narrow(0, 2, 1).reciprocal().mul(static_cast<double>(w_dec)));
+  // dynamic: alpha = (1 / s_enc_x) * w_dec; static / unit: w_dec / s_enc_x (seeds/003); IEEE-rounded
+  // fp32 operations on the device (no sync).
+  if (dynamic) {
+    scalars.narrow(0, 4, 1).copy_(scalars.narrow(0, 2, 1).reciprocal().mul(static_cast<double>(w_dec)));
+  } else {
+    scalars.narrow(0, 4, 1).copy_(torch::full_like(scalars.narrow(0, 2, 1), w_dec).div(scalars.narrow(0, 2, 1)));
+  }
   torch::Tensor xu = torch::empty({m, k}, x.options().dtype(torch::kBFloat16));
   kl::launch_unit_operand(x2.data_ptr(), elem_type(x2), m, k, s + 2, xu.data_ptr(), stream);
-  return unit_gemm_cuda(x, xu, aligned(wu.to(torch::kBFloat16)), bias, s + 4, stream);
+  return unit_gemm_cuda(x, xu, aligned(wu.to(torch::kBFloat16)), bias, s + 4, stream, !dynamic);
 }
 #endif
 
 torch::Tensor forward_any(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                          ScaleMode act_mode, float act_amax) {
-  if (x.device().is_cpu()) return forward_cpu(x, weight, bias, act_mode, act_amax);
+                          ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax) {
+  if (x.device().is_cpu()) return forward_cpu(x, weight, bias, act_mode, act_amax, weight_amax);
 #ifdef VQAD_WITH_TORCH_CUDA
-  if (x.device().is_cuda()) return forward_cuda(x, weight, bias, act_mode, act_amax);
+  if (x.device().is_cuda()) return forward_cuda(x, weight, bias, act_mode, act_amax, weight_amax);
 #endif
   fail("nvfp4_linear: no NVFP4 linear for device ", x.device(), " in this build (x ", shape_str(x), ", weight ",
        shape_str(weight), ")");
@@ -211,30 +238,37 @@ variable_list linear_backward(AutogradContext* ctx, const torch::Tensor& grad, b
   return {dx, dw, db};
 }
 
+// The shared weight amax travels as a plain struct, not as a tensor argument: it gets no
+// gradient, and it may be undefined.
+struct WeightAmaxArg {
+  torch::Tensor amax;  // undefined: the linear's own weight
+};
+
 // Autograd records every tensor argument of a custom Function, and an undefined one
 // has no device, so the bias-free linear is a Function of its own.
 struct Nvfp4LinearBiasFunction : public torch::autograd::Function<Nvfp4LinearBiasFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
-                               const torch::Tensor& bias, int64_t act_mode, double act_amax) {
+                               const torch::Tensor& bias, int64_t act_mode, double act_amax, WeightAmaxArg wa) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["bias_dtype"] = bias.scalar_type();
-    return forward_any(x, weight, bias, static_cast<ScaleMode>(act_mode), static_cast<float>(act_amax));
+    return forward_any(x, weight, bias, static_cast<ScaleMode>(act_mode), static_cast<float>(act_amax), wa.amax);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list g = linear_backward(ctx, grads[0], true);
-    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor()};
+    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 struct Nvfp4LinearNoBiasFunction : public torch::autograd::Function<Nvfp4LinearNoBiasFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
-                               int64_t act_mode, double act_amax) {
+                               int64_t act_mode, double act_amax, WeightAmaxArg wa) {
     ctx->save_for_backward({x, weight});
-    return forward_any(x, weight, torch::Tensor(), static_cast<ScaleMode>(act_mode), static_cast<float>(act_amax));
+    return forward_any(x, weight, torch::Tensor(), static_cast<ScaleMode>(act_mode), static_cast<float>(act_amax),
+                       wa.amax);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list g = linear_backward(ctx, grads[0], false);
-    return {g[0], g[1], torch::Tensor(), torch::Tensor()};
+    return {g[0], g[1], torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -253,17 +287,56 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight, 
 }
 
 torch::Tensor nvfp4_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                           nvfp4::ScaleMode act_mode, float act_amax) {
+                           nvfp4::ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax) {
   check_linear_args(x, weight, bias);
   if (act_mode != ScaleMode::kDynamic) fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
+  if (weight_amax.defined()) {
+    VQAD_CHECK(weight_amax.numel() == 1 && weight_amax.scalar_type() == torch::kFloat32 &&
+                   weight_amax.device() == weight.device(),
+               "nvfp4_linear: a shared weight amax must be one fp32 value on ", weight.device(), ", got ",
+               shape_str(weight_amax), " ", weight_amax.scalar_type(), " on ", weight_amax.device());
+  }
+  const WeightAmaxArg wa{weight_amax.defined() ? weight_amax.detach() : torch::Tensor()};
   if (bias.defined()) {
     return Nvfp4LinearBiasFunction::apply(x, weight, bias, static_cast<int64_t>(act_mode),
-                                          static_cast<double>(act_amax));
+                                          static_cast<double>(act_amax), wa);
   }
-  return Nvfp4LinearNoBiasFunction::apply(x, weight, static_cast<int64_t>(act_mode), static_cast<double>(act_amax));
+  return Nvfp4LinearNoBiasFunction::apply(x, weight, static_cast<int64_t>(act_mode), static_cast<double>(act_amax),
+                                          wa);
 }
 
-float static_activation_encode_scale(float amax) { return nvfp4::encode_scale_from_amax(amax); }
+float static_activation_encode_scale(float amax) {
+  // seeds/003: FP4_RANGE / max(input_amax, 1e-12) in Python (double), then one rounding to fp32.
+  return static_cast<float>(2688.0 / std::max(static_cast<double>(amax), 1e-12));
+}
+
+WeightScaleGroup::WeightScaleGroup(std::string name, std::vector<std::string> members, WeightsFn weights)
+    : name_(std::move(name)), members_(std::move(members)), weights_(std::move(weights)) {
+  VQAD_CHECK(!members_.empty() && weights_, "weight scale group '", name_, "': no members");
+}
+
+torch::Tensor WeightScaleGroup::amax() const {
+  const std::vector<torch::Tensor> ws = weights_();
+  VQAD_CHECK(ws.size() == members_.size(), "weight scale group '", name_, "': ", ws.size(), " weights for ",
+             members_.size(), " members");
+  const torch::Device dev = ws.front().device();
+  for (size_t i = 0; i < ws.size(); ++i)
+    VQAD_CHECK(ws[i].defined() && ws[i].device() == dev, "weight scale group '", name_, "': weight of '", members_[i],
+               "' is ", ws[i].defined() ? "on " + ws[i].device().str() : std::string("undefined"), ", expected ",
+               dev.str());
+  if (dev.is_cpu()) {
+    float m = 0.0f;
+    for (const auto& w : ws) m = std::fmax(m, bf16_amax_cpu(w.detach()));
+    return torch::full({}, m, torch::kFloat32);
+  }
+#ifdef VQAD_WITH_TORCH_CUDA
+  torch::Tensor m = bf16_amax_cuda(ws.front().detach());
+  for (size_t i = 1; i < ws.size(); ++i) m = torch::maximum(m, bf16_amax_cuda(ws[i].detach()));
+  return m;
+#else
+  fail("weight scale group '", name_, "': no NVFP4 linear for device ", dev, " in this build");
+#endif
+}
 
 torch::Tensor nvfp4_linear_unit_weight(const torch::Tensor& x, const torch::Tensor& wu, float w_dec,
                                        const torch::Tensor& bias, nvfp4::ScaleMode act_mode, float act_amax) {
@@ -361,10 +434,13 @@ torch::Tensor bf16_amax_cuda(const torch::Tensor& x) {
 // --- Nvfp4DynamicLinear ------------------------------------------------------------------
 torch::Tensor Nvfp4DynamicLinear::forward(const torch::Tensor& x, const torch::Tensor& weight,
                                           const torch::Tensor& bias) {
-  return nvfp4_linear(x, weight, bias, ScaleMode::kDynamic);
+  return nvfp4_linear(x, weight, bias, ScaleMode::kDynamic, 0.0f, group_ ? group_->amax() : torch::Tensor());
 }
 
-std::string Nvfp4DynamicLinear::describe() const { return "nvfp4 W:dynamic A:dynamic"; }
+std::string Nvfp4DynamicLinear::describe() const {
+  return std::string("nvfp4 W:dynamic") + (group_ ? "(shared " + group_->name() + ")" : std::string()) +
+         " A:dynamic";
+}
 
 // --- Nvfp4QadLinear ----------------------------------------------------------------------
 Nvfp4QadLinear::Nvfp4QadLinear(std::string name, nvfp4::ScaleMode act_mode, std::optional<float> input_amax,
@@ -416,9 +492,10 @@ torch::Tensor Nvfp4QadLinear::forward(const torch::Tensor& x, const torch::Tenso
     VQAD_CHECK(input_amax_.has_value(), "QAD linear '", name_,
                "': static activation scale used before calibration (run a CalibrationScope or load an amax "
                "table)");
-    return nvfp4_linear(x, weight, bias, ScaleMode::kStatic, *input_amax_);
+    return nvfp4_linear(x, weight, bias, ScaleMode::kStatic, *input_amax_,
+                        group_ ? group_->amax() : torch::Tensor());
   }
-  return nvfp4_linear(x, weight, bias, ScaleMode::kUnit);
+  return nvfp4_linear(x, weight, bias, ScaleMode::kUnit, 0.0f, group_ ? group_->amax() : torch::Tensor());
 }
 
 std::string Nvfp4QadLinear::describe() const {
@@ -426,7 +503,8 @@ std::string Nvfp4QadLinear::describe() const {
   if (act_mode_ == ScaleMode::kStatic) {
     a += input_amax_ ? "(amax=" + format_amax(*input_amax_) + ")" : std::string("(uncalibrated)");
   }
-  return std::string("nvfp4-qad W:dynamic A:") + a + (enabled_ ? "" : " [disabled]");
+  return std::string("nvfp4-qad W:dynamic") + (group_ ? "(shared " + group_->name() + ")" : std::string()) +
+         " A:" + a + (enabled_ ? "" : " [disabled]");
 }
 
 // --- Nvfp4PackedLinear ----------------------------------------------------------------------

@@ -5,7 +5,12 @@
 //   Xb = bf16(X), Wb = bf16(W_master)
 //   Xu = e2m1(Xb) * S_x   (unit-scaled dequantized operand, exact in BF16)
 //   Wu = e2m1(Wb) * S_w
-//   y  = bf16( alpha * (Xu . Wu^T) + bf16(b) ),   alpha = (1/s_enc_x) * (1/s_enc_w)
+//   dynamic activations (nvfp4_qat_train):
+//     y = bf16( alpha * (Xu . Wu^T) + bf16(b) ),          alpha = (1/s_enc_x) * (1/s_enc_w)
+//   static / unit activations (the QAD linear, seeds/003's rounding order):
+//     y = bf16( bf16(alpha * (Xu . Wu^T)) + bf16(b) ),    alpha = (1/s_enc_w) / s_enc_x
+//     (the GEMM's BF16 output, then the bias added in BF16; a static s_enc_x is
+//     fp32(2688 / amax) computed once in double, see static_activation_encode_scale)
 // which is FQ(X) . FQ(W)^T + b with the two global decode scales folded into one
 // fp32 factor - the same numbers an FP4 tensor-core GEMM produces. The CPU path
 // accumulates in fp32 (torch mm); the CUDA path runs fused quantize-dequantize
@@ -45,8 +50,13 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight, 
 // The weight scale is always dynamic (2688 / amax(bf16(W)) of the current master).
 // x [..., K] (fp32 or bf16), weight [N, K] (fp32 or bf16), bias [N] or undefined,
 // K % 16 == 0, all on one device (CPU, or CUDA on a GPU build).
+//
+// weight_amax, when defined, replaces amax(bf16(W)) in the weight scale (a 0-d or 1-element
+// fp32 tensor on x's device): the shared global scale of a group of linears
+// (linear_quantization.shared_qkv_scale), the max over the group's weights.
 torch::Tensor nvfp4_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                           nvfp4::ScaleMode act_mode, float act_amax = 0.0f);
+                           nvfp4::ScaleMode act_mode, float act_amax = 0.0f,
+                           const torch::Tensor& weight_amax = torch::Tensor());
 
 // ---- building blocks (also used by tests and the benchmark) -------------------------
 // max |v| over the values of t after rounding to BF16; NaN elements are ignored (a NaN
@@ -65,6 +75,25 @@ torch::Tensor nvfp4_unit_operand_cuda(const torch::Tensor& x, const torch::Tenso
 torch::Tensor bf16_amax_cuda(const torch::Tensor& x);
 #endif
 
+// ---- shared weight global scales ------------------------------------------------------
+// Linears whose weights share one global scale (q/k/v of a self-attention, k/v of a
+// cross-attention): amax() is max over the members of amax(bf16(W_i)), read from the
+// members' current weights on every call (they are master weights that train).
+class WeightScaleGroup {
+ public:
+  using WeightsFn = std::function<std::vector<torch::Tensor>()>;
+  WeightScaleGroup(std::string name, std::vector<std::string> members, WeightsFn weights);
+  const std::string& name() const { return name_; }
+  const std::vector<std::string>& members() const { return members_; }
+  // fp32 amax: a 0-d CPU tensor for CPU weights, a 1-element device tensor on a GPU (no sync).
+  torch::Tensor amax() const;
+
+ private:
+  std::string name_;
+  std::vector<std::string> members_;
+  WeightsFn weights_;
+};
+
 // ---- LinearQuant implementations -----------------------------------------------------
 // `nvfp4_qat_train`: weight and activation scales dynamic.
 class Nvfp4DynamicLinear : public LinearQuant {
@@ -73,9 +102,12 @@ class Nvfp4DynamicLinear : public LinearQuant {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) override;
   std::string describe() const override;
   const std::string& name() const { return name_; }
+  void set_weight_scale_group(std::shared_ptr<WeightScaleGroup> g) { group_ = std::move(g); }
+  const std::shared_ptr<WeightScaleGroup>& weight_scale_group() const { return group_; }
 
  private:
   std::string name_;
+  std::shared_ptr<WeightScaleGroup> group_;
 };
 
 // The QAD linear method: weight dynamic (RTN from the current master weight);
@@ -98,6 +130,8 @@ class Nvfp4QadLinear : public LinearQuant {
   void set_input_amax(float amax);  // positive and finite
   bool enabled() const { return enabled_; }
   void set_enabled(bool on) { enabled_ = on; }
+  void set_weight_scale_group(std::shared_ptr<WeightScaleGroup> g) { group_ = std::move(g); }
+  const std::shared_ptr<WeightScaleGroup>& weight_scale_group() const { return group_; }
 
   // Used by CalibrationScope.
   bool calibrating() const { return calibrating_; }
@@ -111,6 +145,7 @@ class Nvfp4QadLinear : public LinearQuant {
   std::optional<float> input_amax_;
   bool enabled_ = true;
   bool calibrating_ = false;
+  std::shared_ptr<WeightScaleGroup> group_;
   torch::Tensor observed_amax_;  // fp32 scalar on the activation's device, undefined until seen
 };
 

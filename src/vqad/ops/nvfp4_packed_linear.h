@@ -11,14 +11,17 @@
 
 namespace vqad::ops {
 
-// Encode scale s_enc of a static (calibrated) activation scale: 2688 / max(amax, 1e-12).
-// One function for training, export and the packed loader, so that all three agree.
+// Encode scale s_enc of a static (calibrated) activation scale: 2688 / max(amax, 1e-12)
+// computed once in double and rounded to fp32 (seeds/003: a Python float division, then
+// torch.tensor(float32)). One function for training, export and the packed loader, so
+// that all three agree.
 float static_activation_encode_scale(float amax);
 
 // The weight operand is given as its unit-scaled values wu = e2m1(code) * S ([N, K], fp32
 // or bf16; exact in both) and its decode scale w_dec (weight_scale_2 of a packed export).
-// The activation is quantized as in nvfp4_linear and
-//   y = bf16( alpha * (Xu . wu^T) + bf16(b) ),   alpha = (1/s_enc_x) * w_dec,
+// The activation is quantized as in nvfp4_linear and the GEMM, alpha and bias follow
+// nvfp4_linear's order for act_mode (dynamic: alpha = (1/s_enc_x) * w_dec, one rounding
+// with the bias; static / unit: alpha = w_dec / s_enc_x, bias added to the BF16 output),
 // which is nvfp4_linear bit for bit when wu and w_dec are those its dynamic weight scale
 // produces (w_dec = 1 / s_enc_w). No autograd: the weight exists only quantized.
 torch::Tensor nvfp4_linear_unit_weight(const torch::Tensor& x, const torch::Tensor& wu, float w_dec,

@@ -175,6 +175,22 @@ nlohmann::json linear_quant_json(const Role& r) {
   j["weight_global_scale"] = "dynamic, 448*6/max|W| recomputed every forward from the master weight";
   j["activation_global_scale"] = qad ? "static (calibrated amax) for FFN linears, unit elsewhere"
                                      : "dynamic, 448*6/max|X| recomputed every forward";
+  if (qad) {
+    j["forward"] = "dequantized NVFP4 operands, BF16 GEMM with alpha = (1/w_sf)/input_sf, BF16 output, then + bias "
+                   "in BF16 (seeds/003's order); static input_sf = fp32(2688/amax) computed in double";
+    // The calibrated amax table of the static linears: what the packed export and a
+    // fake-quant load of this checkpoint use.
+    const auto layers = model::qad_linears(r.quants);
+    bool calibrated = true;
+    for (const auto& l : layers)
+      calibrated = calibrated && (l->activation_mode() != nvfp4::ScaleMode::kStatic || l->input_amax().has_value());
+    if (calibrated) j["input_amax"] = model::export_amax_table(layers);
+  }
+  if (r.plan.shared_qkv_scale) {
+    nlohmann::json groups = nlohmann::json::object();
+    for (const auto& [g, members] : model::shared_scale_groups(r.plan)) groups[g] = members;
+    j["shared_scale_groups"] = groups;
+  }
   return j;
 }
 

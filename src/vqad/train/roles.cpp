@@ -1,5 +1,8 @@
 #include "vqad/train/roles.h"
 
+#include "vqad/config/linear_quantization.h"
+#include "vqad/train/role_quant.h"
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -34,13 +37,37 @@ std::string wan_model_kind(const model::WanConfig& c) {
   return "wan-t2v-custom";
 }
 
+static std::pair<model::QuantPlan, std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>>
+attach_quant_plan_with_table(model::WanModel& model, const model::QuantConfig& config,
+                             const std::map<std::string, float>& amax_table);
+
 std::pair<model::QuantPlan, std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>>
 attach_quant_plan(model::WanModel& model, const model::QuantConfig& config) {
+  return attach_quant_plan_with_table(model, config, {});
+}
+
+std::pair<model::QuantPlan, std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>>
+attach_quant_plan_with_table(model::WanModel& model, const model::QuantConfig& config,
+                             const std::map<std::string, float>& amax_table) {
   std::vector<std::string> names;
   for (auto& [n, lin] : model.named_linears()) names.push_back(n);
   model::QuantPlan plan = model::build_quant_plan(names, config);
-  auto quants = model::apply_quant_plan(model, plan, config);
+  auto quants = model::apply_quant_plan(model, plan, config, amax_table);
   return {std::move(plan), std::move(quants)};
+}
+
+model::QuantConfig role_quant_config(const RunConfig& run, const std::string& role_name) {
+  model::QuantConfig qc;
+  qc.method = model::parse_quant_method(run.role(role_name).quant_config, "models." + role_name + ".quant_config");
+  if (!qc.enabled()) return qc;
+  const LinearQuantizationConfig lq = linear_quantization_config(run);
+  qc.act_amax_json = lq.act_amax_json;
+  qc.quantize_attention = lq.quantize_attention;
+  qc.quantize_ffn = lq.quantize_ffn;
+  qc.quantize_gate = lq.quantize_gate;
+  qc.skip_blocks = lq.skip_blocks;
+  qc.shared_qkv_scale = lq.shared_qkv_scale;
+  return qc;
 }
 
 double vsa_sparsity_at_step(const VsaConfig& vsa, long step) {
@@ -91,8 +118,21 @@ static nlohmann::json read_parent_metadata(const std::string& init_from) {
   return nullptr;
 }
 
+static std::shared_ptr<Role> build_role_impl(const RunConfig& run, const std::string& role_name,
+                                             const RoleBuildOptions& options, bool allow_uncalibrated);
+
 std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_name,
                                  const RoleBuildOptions& options) {
+  return build_role_impl(run, role_name, options, false);
+}
+
+std::shared_ptr<Role> build_role_for_calibration(const RunConfig& run, const std::string& role_name,
+                                                 const RoleBuildOptions& options) {
+  return build_role_impl(run, role_name, options, true);
+}
+
+static std::shared_ptr<Role> build_role_impl(const RunConfig& run, const std::string& role_name,
+                                             const RoleBuildOptions& options, bool allow_uncalibrated) {
   const RoleConfig& rc = run.role(role_name);
   const std::string key = "models." + role_name;
   auto role = std::make_shared<Role>();
@@ -159,9 +199,24 @@ std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_n
   for (auto& p : role->model->parameters()) p.set_requires_grad(rc.trainable);
   role->model->train(rc.trainable);
 
-  role->quant_config.method = model::parse_quant_method(rc.quant_config, key + ".quant_config");
-  if (role->quant_config.enabled())
-    std::tie(role->plan, role->quants) = attach_quant_plan(*role->model, role->quant_config);
+  role->quant_config = role_quant_config(run, role_name);
+  if (role->quant_config.enabled()) {
+    role->quant_config.allow_uncalibrated = allow_uncalibrated;
+    std::map<std::string, float> table;
+    if (!role->quant_config.act_amax_json.empty()) {
+      VQAD_CHECK(fs::is_regular_file(role->quant_config.act_amax_json), "training.linear_quantization.act_amax_json: '",
+                 role->quant_config.act_amax_json, "' is not a file (write one with `vqad calibrate`)");
+      table = model::load_amax_table(role->quant_config.act_amax_json);
+    }
+    try {
+      std::tie(role->plan, role->quants) = attach_quant_plan_with_table(*role->model, role->quant_config, table);
+    } catch (const Error& e) {
+      fail(key, ": ", e.what(),
+           role->quant_config.method == model::QuantMethod::kNvfp4Qad && role->quant_config.act_amax_json.empty()
+               ? "; training.linear_quantization.act_amax_json is not set"
+               : "");
+    }
+  }
   log::info(key, ": ", wan_model_kind(role->model->config()), " (", role->init_kind, "), attention ",
             attention_backend_name(rc.attention_backend), ", linears ",
             role->plan.empty() ? std::string("dense") : std::to_string(role->plan.entries.size()) + " NVFP4",
