@@ -190,6 +190,9 @@ void register_data_commands(CLI::App& app) {
     sub->add_option("--text-dim", so->text_dim, "text embedding width");
     sub->add_option("--text-tokens", so->text_tokens, "stored tokens per row (0: caption length)");
     sub->add_option("--seed", so->seed, "generator seed");
+    sub->add_option("--modes", so->modes, "multi-modal rows: modes per caption (default 0: off)");
+    sub->add_option("--captions", so->captions, "multi-modal rows: distinct captions (default 8)");
+    sub->add_option("--detail", so->detail, "per-element detail std in normalized latent units (default 0.05)");
     sub->add_flag("--dense-text", so->dense_text, "fill padding tokens with noise (incompressible benchmark rows)");
     sub->add_option("--rows-per-file", wo->rows_per_file, "rows per parquet file");
     sub->add_option("--compression", wo->compression, "zstd | snappy | none");

@@ -20,10 +20,17 @@ namespace vqad::cli {
 void register_train_commands(CLI::App& app) {
   {
     auto* sub = app.add_subcommand(
-        "demo", "Run the QAD recipe at tiny scale on synthetic data (teacher -> Attn-QAT + NVFP4 stage 1 -> DMD2 stage 2 -> report)");
+        "demo", "Run the QAD recipe at tiny scale on synthetic data (dense: teacher -> Attn-QAT + NVFP4 stage 1 -> DMD2 "
+                "stage 2 -> report; --recipe sparse: teacher -> ODE cache -> S0 layer_recon -> S1 recon_ode -> S2 DMD2 "
+                "-> report)");
     auto o = std::make_shared<train::DemoOptions>();
     auto device = std::make_shared<std::string>("cpu");
     sub->add_option("--out", o->out, "output directory (default vqad-demo)");
+    sub->add_option("--recipe", o->recipe, std::string("dense (default, the QAD recipe) | sparse (the sparse QAD lineage)"));
+    sub->add_option("--stage0-steps", o->stage0_steps, "--recipe sparse: override S0's (layer_recon) step count");
+    sub->add_option("--ode-trajectories", o->ode_trajectories, "--recipe sparse: ODE-cache trajectories");
+    sub->add_option("--heldout-rows", o->heldout_rows, "held-out synthetic rows (default 16)");
+    sub->add_option("--eval-noises", o->eval_noises, "initial noises per held-out prompt in the sample comparison (default 4)");
     sub->add_option("--device", *device, "cpu (default) | cuda | auto");
     sub->add_option("--teacher-steps", o->teacher_steps, "override the teacher's step count");
     sub->add_option("--stage1-steps", o->stage1_steps, "override stage 1's step count");
@@ -33,6 +40,7 @@ void register_train_commands(CLI::App& app) {
     sub->add_flag("--reuse", o->reuse, "keep --out and skip stages whose export exists (delete an export to re-run it)");
     sub->add_option("--train-rows", o->train_rows, "synthetic training rows (default 64)");
     set_action(sub, [=] {
+      train::check_demo_recipe(o->recipe);
       o->device = train::parse_device(*device);
       auto report = train::run_demo(*o);
       std::cout << train::demo_report_text(report);

@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <array>
+#include <cmath>
 #include <sstream>
 
 #include "vqad/core/error.h"
@@ -32,16 +33,40 @@ uint64_t fnv1a(const std::string& s) {
 
 at::Generator gen_for(uint64_t key) { return at::make_generator<at::CPUGeneratorImpl>(mix(key)); }
 
+constexpr int64_t kCaptionCombos = int64_t(kColours.size() * kDirections.size() * kBackgrounds.size() * 3);
+
+uint64_t row_key_of(const SynthOptions& o, int64_t g) { return mix(uint64_t(o.seed) * 1000003ULL + uint64_t(g)); }
+
 }  // namespace
+
+SynthMode synth_mode_of(const SynthOptions& o, int64_t g) {
+  VQAD_CHECK(o.modes > 0, "synthetic data: synth_mode_of needs modes > 0, found ", o.modes);
+  VQAD_CHECK(o.captions >= 1 && o.captions <= kCaptionCombos, "synthetic data: captions must be in [1, ",
+             kCaptionCombos, "], found ", o.captions);
+  const uint64_t key = row_key_of(o, g);
+  return {int64_t(key % uint64_t(o.captions)), int64_t(mix(key ^ 0x5eedULL) % uint64_t(o.modes))};
+}
 
 ParquetRecord synth_record(const SynthOptions& o, int64_t g) {
   VQAD_CHECK(o.latent_t > 0 && o.latent_h > 0 && o.latent_w > 0 && o.text_dim > 0,
              "synthetic data: latent T/H/W and text_dim must be positive");
-  const uint64_t row_key = mix(uint64_t(o.seed) * 1000003ULL + uint64_t(g));
-  const size_t colour = row_key % kColours.size();
-  const size_t dir = (row_key / 7) % kDirections.size();
-  const size_t bg = (row_key / 31) % kBackgrounds.size();
-  const int64_t blobs = 1 + int64_t((row_key / 101) % 3);
+  VQAD_CHECK(o.modes >= 0, "synthetic data: modes must be >= 0, found ", o.modes);
+  VQAD_CHECK(o.detail >= 0, "synthetic data: detail must be >= 0, found ", o.detail);
+  const uint64_t row_key = row_key_of(o, g);
+  size_t colour = row_key % kColours.size();
+  size_t dir = (row_key / 7) % kDirections.size();
+  size_t bg = (row_key / 31) % kBackgrounds.size();
+  int64_t blobs = 1 + int64_t((row_key / 101) % 3);
+  SynthMode sm;
+  if (o.modes > 0) {
+    // Caption c is combination (97 c) mod 216 (97 is prime to 216: distinct captions).
+    sm = synth_mode_of(o, g);
+    const int64_t k = (sm.caption * 97) % kCaptionCombos;
+    colour = size_t(k % 6);
+    dir = size_t((k / 6) % 4);
+    bg = size_t((k / 24) % 3);
+    blobs = 1 + (k / 72);
+  }
 
   std::ostringstream cap;
   cap << (blobs == 1 ? "a " : blobs == 2 ? "two " : "three ") << kColours[colour]
@@ -63,6 +88,8 @@ ParquetRecord synth_record(const SynthOptions& o, int64_t g) {
     auto tt = torch::linspace(0, 1, T).view({T, 1, 1});
     // Background: per-channel level plus an optional stripe pattern.
     auto chan_level = torch::randn({C, 1, 1, 1}, gen) * 0.3;
+    // Multi-modal rows: the channel levels belong to the caption (a row does not shift them).
+    if (o.modes > 0) chan_level = torch::randn({C, 1, 1, 1}, gen_for(uint64_t(sm.caption) ^ 0xC0DEULL)) * 0.3;
     auto frame = torch::zeros({T, H, W});
     if (bg == 2) frame = frame + 0.5 * torch::sin(tx * 12.0).expand({T, H, W});
     if (bg == 1) frame = frame + 0.8;
@@ -72,16 +99,38 @@ ParquetRecord synth_record(const SynthOptions& o, int64_t g) {
     const double dy = dir == 2 ? -1.0 : dir == 3 ? 1.0 : 0.0;
     // The colour word selects which channels the blobs light up.
     auto colour_gain = torch::randn({C, 1, 1, 1}, gen_for(colour + 17)) * 1.5;
-    for (int64_t b = 0; b < blobs; ++b) {
-      auto p = torch::rand({3}, gen);
-      const double x0 = p[0].item<double>() * 1.2 - 0.6, y0 = p[1].item<double>() * 1.2 - 0.6;
-      const double radius = 0.15 + 0.15 * p[2].item<double>();
-      auto cx = x0 + dx * 0.8 * tt, cy = y0 + dy * 0.8 * tt;
-      auto d2 = (tx - cx).pow(2) + (ty - cy).pow(2);
-      auto blob = torch::exp(-d2 / (2 * radius * radius));  // [T, H, W]
-      vid = vid + colour_gain * blob.unsqueeze(0);
+    if (o.modes == 0) {
+      for (int64_t b = 0; b < blobs; ++b) {
+        auto p = torch::rand({3}, gen);
+        const double x0 = p[0].item<double>() * 1.2 - 0.6, y0 = p[1].item<double>() * 1.2 - 0.6;
+        const double radius = 0.15 + 0.15 * p[2].item<double>();
+        auto cx = x0 + dx * 0.8 * tt, cy = y0 + dy * 0.8 * tt;
+        auto d2 = (tx - cx).pow(2) + (ty - cy).pow(2);
+        auto blob = torch::exp(-d2 / (2 * radius * radius));  // [T, H, W]
+        vid = vid + colour_gain * blob.unsqueeze(0);
+      }
+    } else {
+      // Mode m of caption c: its own blob start positions (mode m's blobs start in the
+      // sector of angle 2 pi m / modes), speed and colour layout; a row only jitters them.
+      auto mgen = gen_for((uint64_t(sm.caption) << 20) ^ uint64_t(sm.mode) ^ 0xA11CEULL);
+      const auto mode_gain = colour_gain * 0.5 + torch::randn({C, 1, 1, 1}, mgen) * 1.5;
+      const double speed = 0.3 + 0.6 * torch::rand({1}, mgen).item<double>();
+      const double angle0 = 6.283185307179586 * double(sm.mode) / double(o.modes);
+      for (int64_t b = 0; b < blobs; ++b) {
+        auto p = torch::rand({3}, mgen);
+        auto j = torch::randn({3}, gen) * 0.03;
+        const double a = angle0 + (p[0].item<double>() - 0.5) * 3.14159 / double(o.modes);
+        const double r = 0.35 + 0.3 * p[1].item<double>();
+        const double x0 = r * std::cos(a) - dx * 0.4 * speed + j[0].item<double>();
+        const double y0 = r * std::sin(a) - dy * 0.4 * speed + j[1].item<double>();
+        const double radius = 0.2 + 0.1 * p[2].item<double>();
+        auto cx = x0 + dx * speed * tt, cy = y0 + dy * speed * tt;
+        auto d2 = (tx - cx).pow(2) + (ty - cy).pow(2);
+        auto blob = torch::exp(-d2 / (2 * radius * radius));  // [T, H, W]
+        vid = vid + mode_gain * (1.0 + j[2].item<double>()) * blob.unsqueeze(0);
+      }
     }
-    vid = vid + 0.05 * torch::randn({C, T, H, W}, gen);
+    vid = vid + o.detail * torch::randn({C, T, H, W}, gen);
     r.latent = denormalize_wan_latents(vid).contiguous();
     r.width = W * 8;
     r.height = H * 8;

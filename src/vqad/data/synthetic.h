@@ -7,6 +7,14 @@
 // direction and background, and the text embedding is a per-word deterministic
 // vector, so captions and latents are correlated and a model can learn the pairing.
 //
+// Multi-modal option (modes > 0; what `vqad demo` uses): the rows share `captions`
+// distinct captions, and each caption's videos come from `modes` well-separated modes:
+// per (caption, mode) fixed blob start positions, speed and colour layout (the channel
+// gains), so the conditional distribution of a caption has `modes` clusters. Inside a
+// mode a row varies only by a small position / amplitude jitter and its per-element
+// detail (`detail`, iid Gaussian in normalized latent units). The flow of such data is
+// strongly curved: a few Euler steps average the modes and wash out the detail.
+//
 // SyntheticDataset serves the same rows from memory through the Dataset interface
 // (training data_path "synthetic://ROWS"), identical to writing them with
 // write_synthetic_dataset and reading them back with ParquetDataset.
@@ -30,7 +38,21 @@ struct SynthOptions {
   // away (real FastVideo rows store only the real tokens).
   bool dense_text = false;
   int64_t seed = 0;
+  // Per-element detail of each row (std in normalized latent units); 0.05 is the
+  // default data's.
+  double detail = 0.05;
+  // 0: today's data (every row draws its caption and blob layout independently).
+  // > 0: multi-modal rows (see the file comment); `captions` distinct captions
+  // (1..216), each with `modes` modes.
+  int64_t modes = 0;
+  int64_t captions = 8;
 };
+
+// Caption index and mode of row g of a multi-modal dataset (options.modes > 0).
+struct SynthMode {
+  int64_t caption = 0, mode = 0;
+};
+SynthMode synth_mode_of(const SynthOptions& options, int64_t g);
 
 // Row g of the synthetic dataset (deterministic in (options, g)).
 ParquetRecord synth_record(const SynthOptions& options, int64_t g);
