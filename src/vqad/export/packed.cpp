@@ -107,14 +107,6 @@ std::pair<model::QuantPlan, std::map<std::string, float>> source_plan(const Sour
   return {std::move(plan), std::move(table)};
 }
 
-std::string publish_dir(const fs::path& tmp, const std::string& out_dir) {
-  train::fsync_tree(tmp.string());
-  if (fs::exists(out_dir)) fs::remove_all(out_dir);
-  fs::rename(tmp, out_dir);
-  train::fsync_dir(fs::absolute(out_dir).parent_path().string());
-  return out_dir;
-}
-
 ExportSummary export_packed(const Source& src, const std::string& out_dir, const ExportOptions& o) {
   VQAD_CHECK(src.meta.value("export", nlohmann::json::object()).value("format", std::string(kDenseFormat)) !=
                  kPackedFormat,
@@ -208,9 +200,7 @@ ExportSummary export_packed(const Source& src, const std::string& out_dir, const
   }
 
   train::check_export_target(out_dir, src.path, o.overwrite);
-  const fs::path tmp = train::export_temp_dir(out_dir);
-  fs::remove_all(tmp);
-  try {
+  train::build_and_publish_export(out_dir, [&](const fs::path& tmp) {
     train::create_dir_or_fail((tmp / "transformer").string(), "export");
     io::save_safetensors((tmp / "transformer" / "diffusion_pytorch_model.safetensors").string(), tensors,
                          {{"format", "pt"}, {"quantization", kPackedFormat}});
@@ -252,16 +242,7 @@ ExportSummary export_packed(const Source& src, const std::string& out_dir, const
                         {"bytes_per_parameter", summary.bytes_per_parameter()}}}};
     if (!previous_export.is_null()) meta["export"]["source_export"] = previous_export;
     train::write_metadata(tmp.string(), meta);
-  } catch (const fs::filesystem_error& e) {
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
-    fail("export to ", out_dir, ": ", e.code().message(), " (", e.path1().string(), "); nothing was replaced");
-  } catch (...) {
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
-    throw;
-  }
-  publish_dir(tmp, out_dir);  // checked above: out_dir is absent, empty or an earlier export
+  });
   return summary;
 }
 

@@ -13,6 +13,7 @@
 #include "vqad/dist/process_group.h"
 #include "vqad/model/quant_plan.h"
 #include "vqad/ops/nvfp4_linear.h"
+#include "vqad/train/dataset_spec.h"
 #include "vqad/train/methods/registry.h"
 #include "vqad/train/role_quant.h"
 #include "vqad/config/linear_quantization.h"
@@ -60,20 +61,7 @@ CalibrateSummary calibrate_run(const RunConfig& run_in, const CalibrateOptions& 
   const auto layers = model::qad_linears(student->quants);
   student->model->train(false);
 
-  const auto& mc = student->model->config();
-  data::DatasetSpec dspec;
-  for (const auto& src : tc.data.data_path) dspec.sources.emplace_back(src.path, src.repeat);
-  dspec.kind = tc.data.preprocessed_data_type;
-  dspec.text_len = mc.text_len;
-  dspec.text_dim = mc.text_dim;
-  dspec.num_latent_t = tc.data.num_latent_t;
-  dspec.num_height = tc.data.num_height;
-  dspec.num_width = tc.data.num_width;
-  dspec.cfg_rate = tc.data.training_cfg_rate;
-  dspec.seed = tc.data.seed;
-  const MethodRegistration& method = method_registration(run);
-  dspec.ode_anchor_indices = method.ode_anchor_indices ? method.ode_anchor_indices(run) : tc.data.ode_anchor_indices;
-  auto dataset = data::make_dataset(dspec);
+  auto dataset = data::make_dataset(training_dataset_spec(run, student->model->config()));
   log::info("calibrate: ", dataset->description(), ", ", batches, " batch(es) per rank, ", world_size, " rank(s)");
   dist::set_batch_shard({rank, world_size});
   auto sopt = data::sampler_options_for_rank(dataset->size(), tc.data.train_batch_size, world_size, 1, rank,

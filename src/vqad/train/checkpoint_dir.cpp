@@ -327,6 +327,27 @@ std::string export_temp_dir(const std::string& out_dir) {
   return (parent / (prefix + me + "." + std::to_string(::getpid()))).string();
 }
 
+std::string build_and_publish_export(const std::string& out_dir, const std::function<void(const fs::path& tmp)>& fill) {
+  const fs::path tmp = export_temp_dir(out_dir);
+  fs::remove_all(tmp);
+  try {
+    fill(tmp);
+    fsync_tree(tmp.string());
+  } catch (const fs::filesystem_error& e) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    fail("export to ", out_dir, ": ", e.code().message(), " (", e.path1().string(), "); nothing was replaced");
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  if (fs::exists(out_dir)) fs::remove_all(out_dir);
+  fs::rename(tmp, out_dir);
+  fsync_dir(fs::absolute(out_dir).parent_path().string());
+  return out_dir;
+}
+
 void apply_retention(const std::string& output_dir, int limit) {
   if (!fs::is_directory(output_dir)) return;
   for (const auto& e : fs::directory_iterator(output_dir)) {

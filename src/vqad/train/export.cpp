@@ -26,9 +26,7 @@ std::string export_checkpoint(const std::string& checkpoint_dir, const std::stri
   check_export_target(out_dir, checkpoint_dir, overwrite);
   nlohmann::json meta = read_metadata(checkpoint_dir);
   const auto src_files = meta.at("files");
-  const fs::path tmp = export_temp_dir(out_dir);
-  fs::remove_all(tmp);
-  try {
+  return build_and_publish_export(out_dir, [&](const fs::path& tmp) {
     create_dir_or_fail((tmp / "transformer").string(), "export");
     for (const auto& e : fs::directory_iterator(src))
       if (e.is_regular_file()) fs::copy_file(e.path(), tmp / "transformer" / e.path().filename());
@@ -44,20 +42,7 @@ std::string export_checkpoint(const std::string& checkpoint_dir, const std::stri
       VQAD_CHECK(src_files.contains(src_rel) && src_files[src_rel] == sha, "export: ", (tmp / rel).string(),
                  " differs from ", src_rel, " recorded in ", checkpoint_dir, " (copy corrupted)");
     }
-    fsync_tree(tmp.string());
-  } catch (const fs::filesystem_error& e) {
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
-    fail("export to ", out_dir, ": ", e.code().message(), " (", e.path1().string(), "); nothing was replaced");
-  } catch (...) {
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
-    throw;
-  }
-  if (fs::exists(out_dir)) fs::remove_all(out_dir);  // checked above: empty or an earlier export
-  fs::rename(tmp, out_dir);
-  fsync_dir(fs::absolute(out_dir).parent_path().string());
-  return out_dir;
+  });
 }
 
 }  // namespace vqad::train

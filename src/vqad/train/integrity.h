@@ -5,6 +5,8 @@
 #pragma once
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -91,6 +93,12 @@ void check_export_target(const std::string& out_dir, const std::string& source, 
 // Temporary export directory for out_dir (next to it, named .tmp-export-*), after removing
 // the temporary export directories that dead processes on this host left next to it.
 std::string export_temp_dir(const std::string& out_dir);
+// Builds an export in a fresh export_temp_dir(out_dir) (`fill` writes into it), fsyncs it
+// and puts it in place of out_dir (the caller has checked out_dir with check_export_target).
+// On any failure the temporary directory is removed and out_dir is untouched; a filesystem
+// error becomes one line naming out_dir. Returns out_dir.
+std::string build_and_publish_export(const std::string& out_dir,
+                                     const std::function<void(const std::filesystem::path& tmp)>& fill);
 
 // Creates dir (and parents) or throws one line naming `what`, the path and the reason
 // (a file in the way, read-only filesystem, permission denied, ...).

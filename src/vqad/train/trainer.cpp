@@ -25,6 +25,7 @@
 #include "vqad/train/batch_log.h"
 #include "vqad/train/checkpoint_dir.h"
 #include "vqad/train/checkpoint_writer.h"
+#include "vqad/train/dataset_spec.h"
 #include "vqad/train/determinism.h"
 #include "vqad/train/finite_guard.h"
 #include "vqad/train/integrity.h"
@@ -132,18 +133,7 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
 
   // Data (parquet rows, synthetic rows or ODE-cache pairs: data::make_dataset decides).
   const auto& mc = student->model->config();
-  data::DatasetSpec dspec;
-  for (const auto& src : tc.data.data_path) dspec.sources.emplace_back(src.path, src.repeat);
-  dspec.kind = tc.data.preprocessed_data_type;
-  dspec.text_len = mc.text_len;
-  dspec.text_dim = mc.text_dim;
-  dspec.num_latent_t = tc.data.num_latent_t;
-  dspec.num_height = tc.data.num_height;
-  dspec.num_width = tc.data.num_width;
-  dspec.cfg_rate = tc.data.training_cfg_rate;
-  dspec.seed = tc.data.seed;
-  dspec.ode_anchor_indices = method.ode_anchor_indices ? method.ode_anchor_indices(run_) : tc.data.ode_anchor_indices;
-  impl_->dataset = data::make_dataset(dspec);
+  impl_->dataset = data::make_dataset(training_dataset_spec(run_, mc));
   log::info("data: ", impl_->dataset->description());
   const int64_t dp_rank = impl_->dp ? impl_->dp->dp_rank() : 0, dp_size = impl_->dp ? impl_->dp->dp_size() : 1;
   dist::set_batch_shard({dp_rank, dp_size});
