@@ -39,8 +39,8 @@ struct DemoOptions {
   long stage2_steps = 0;   // 0: as in configs/demo/stage2_dmd.yaml (sparse: sparse_stage2_dmd2.yaml)
   long stage0_steps = 0;   // sparse: S0 (layer_recon) step count; 0: as in its recipe
   int64_t ode_trajectories = 0;  // sparse: ODE-cache trajectories; 0: as in its recipe
-  int64_t eval_noises = 4;
-  int64_t batch_size = 0;   // every stage's train_batch_size; 0: as in the recipes  // initial noises per held-out prompt in the sample comparison
+  int64_t eval_noises = 4;  // initial noises per held-out prompt in the sample comparison
+  int64_t batch_size = 0;   // every stage's train_batch_size; 0: as in the recipes
   bool stage2 = true;      // run stage 2 (DMD2)
   // Keep --out and skip every stage whose export is already there (re-run a later stage
   // after editing its recipe: delete that stage's export first).
