@@ -154,9 +154,12 @@ TEST(DemoSparse, RunsEndToEndAndTheThreeExportsVerifyAsOneChain) {
   EXPECT_TRUE(r.stage2_ran);
   EXPECT_GT(r.mse_teacher_3, 0.0);
   EXPECT_GT(r.mse_stage1_3, 0.0);
+  EXPECT_TRUE(r.stage0_sampled);
+  EXPECT_GT(r.mse_stage0_3, 0.0);
   EXPECT_GT(r.mse_dmd_3, 0.0);
   const auto text = train::demo_report_text(r);
   EXPECT_NE(text.find("stage2_export verified"), std::string::npos) << text;
+  EXPECT_NE(text.find("S1 vs its start"), std::string::npos) << text;
   EXPECT_NE(text.find("S2 lineage chain: dmd2 recon_ode layer_recon sft"), std::string::npos) << text;
   fs::remove_all(out);
 }

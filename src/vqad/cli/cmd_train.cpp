@@ -36,6 +36,8 @@ void register_train_commands(CLI::App& app) {
     sub->add_option("--stage1-steps", o->stage1_steps, "override stage 1's step count");
     sub->add_option("--stage2-steps", o->stage2_steps, "override stage 2's (DMD2) step count");
     sub->add_flag("!--no-stage2", o->stage2, "stop after stage 1");
+    sub->add_option("--stage1-set", o->stage1_set,
+                    "override a stage-1 recipe value (sparse: S1 recon_ode): key.path=value (repeatable)");
     sub->add_option("--stage2-set", o->stage2_set, "override a stage-2 recipe value: key.path=value (repeatable)");
     sub->add_flag("--reuse", o->reuse, "keep --out and skip stages whose export exists (delete an export to re-run it)");
     sub->add_option("--train-rows", o->train_rows, "synthetic training rows (default 64)");

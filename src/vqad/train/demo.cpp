@@ -278,8 +278,10 @@ DemoReport run_demo(const DemoOptions& o) {
     if (steps < 0) continue;
     std::vector<std::string> ov;
     if (steps > 0) ov = {"--training.loop.max_train_steps", std::to_string(steps)};
-    if (std::string(name) == "stage2_dmd")
-      for (const auto& kv : o.stage2_set) ov.push_back("--" + kv);
+    for (const auto& kv : std::string(name) == "stage2_dmd" ? o.stage2_set
+                          : std::string(name) == "stage1_attn_qat_sft" ? o.stage1_set
+                                                                       : std::vector<std::string>{})
+      ov.push_back("--" + kv);
     try {
       parse_run_config(substitute(yaml, o.out), ov);
     } catch (const Error& e) {
@@ -295,7 +297,7 @@ DemoReport run_demo(const DemoOptions& o) {
       o.device.is_cuda() ? std::vector<std::string>{"models.student.init_from=random:tiny-hd128"}
                          : std::vector<std::string>{};
   auto s0 = run_stage("teacher", demo_configs::kTeacherYaml, o, o.teacher_steps, teacher_export, teacher_extra);
-  auto s1 = run_stage("stage1_attn_qat_sft", demo_configs::kStage1Yaml, o, o.stage1_steps, stage1_export);
+  auto s1 = run_stage("stage1_attn_qat_sft", demo_configs::kStage1Yaml, o, o.stage1_steps, stage1_export, o.stage1_set);
   rep.stage1_export = stage1_export;
   rep.teacher_train_first = mean_of(s0.losses, 0, 10);
   rep.teacher_train_last = mean_of(s0.losses, s0.losses.size() >= 10 ? s0.losses.size() - 10 : 0, 10);
@@ -450,8 +452,9 @@ DemoReport run_sparse_demo(const DemoOptions& o) {
     if (st.steps < 0) continue;
     std::vector<std::string> ov;
     if (st.steps > 0) ov = {"--training.loop.max_train_steps", std::to_string(st.steps)};
-    if (st.stage2)
-      for (const auto& kv : o.stage2_set) ov.push_back("--" + kv);
+    const bool s1 = std::string(st.name) == "stage1_recon_ode";
+    for (const auto& kv : st.stage2 ? o.stage2_set : s1 ? o.stage1_set : std::vector<std::string>{})
+      ov.push_back("--" + kv);
     try {
       parse_run_config(substitute(st.yaml, o.out), ov);
     } catch (const Error& e) {
@@ -506,7 +509,7 @@ DemoReport run_sparse_demo(const DemoOptions& o) {
   auto r1 = run_stage("stage0_layer_recon", demo_configs::kSparseStage0Yaml, o, o.stage0_steps, s0_export);
   rep.stage_seconds.push_back({"S0 layer_recon", seconds_since(ts)});
   ts = std::chrono::steady_clock::now();
-  auto r2 = run_stage("stage1_recon_ode", demo_configs::kSparseStage1Yaml, o, o.stage1_steps, s1_export);
+  auto r2 = run_stage("stage1_recon_ode", demo_configs::kSparseStage1Yaml, o, o.stage1_steps, s1_export, o.stage1_set);
   rep.stage_seconds.push_back({"S1 recon_ode", seconds_since(ts)});
   rep.stage0_train_first = mean_of(r1.losses, 0, 10);
   rep.stage0_train_last = mean_of(r1.losses, r1.losses.size() >= 10 ? r1.losses.size() - 10 : 0, 10);
@@ -542,7 +545,10 @@ DemoReport run_sparse_demo(const DemoOptions& o) {
 
   // Per-block reconstruction error vs the teacher on held-out inputs.
   ts = std::chrono::steady_clock::now();
-  const double sparsity = parse_run_config(substitute(demo_configs::kSparseStage1Yaml, o.out)).training.vsa.sparsity;
+  std::vector<std::string> set1;
+  for (const auto& kv : o.stage1_set) set1.push_back("--" + kv);
+  const double sparsity =
+      parse_run_config(substitute(demo_configs::kSparseStage1Yaml, o.out), set1).training.vsa.sparsity;
   const auto vsa = AttentionBackend::kVsaQatTrainC128;
   auto teacher = load_eval_model(teacher_export, false, o.device);
   data::DatasetOptions dopt;
@@ -587,6 +593,15 @@ DemoReport run_sparse_demo(const DemoOptions& o) {
     rep.fd_stage1_3 = b.fd;
     rep.mse_stage1_3 = b.mse;
     rep.detail_stage1_3 = b.detail;
+    {
+      auto s0 = load_eval_model(s0_export, true, o.device, vsa, sparsity);
+      auto g0 = at::make_generator<at::CPUGeneratorImpl>(77);
+      const auto c = score_samples(shifted_dmd_sample(*s0, noise, text, st, sg, g0), ref);
+      rep.stage0_sampled = true;
+      rep.fd_stage0_3 = c.fd;
+      rep.mse_stage0_3 = c.mse;
+      rep.detail_stage0_3 = c.detail;
+    }
     if (o.stage2) {
       auto s2 = load_eval_model(s2_export, true, o.device, vsa, sparsity);
       auto g2 = at::make_generator<at::CPUGeneratorImpl>(77);
@@ -614,6 +629,11 @@ void sample_table(std::ostringstream& os, const DemoReport& r, const char* s1_la
   std::snprintf(buf, sizeof(buf), "%-44s %13.4f %13.4f %12.3f\n", "teacher, 3 Euler steps, CFG", r.fd_teacher_3,
                 r.mse_teacher_3, r.detail_teacher_3);
   os << buf;
+  if (r.stage0_sampled) {
+    std::snprintf(buf, sizeof(buf), "%-44s %13.4f %13.4f %12.3f\n", "S0 as VSA-QAT (S1's start), 3-step shifted",
+                  r.fd_stage0_3, r.mse_stage0_3, r.detail_stage0_3);
+    os << buf;
+  }
   std::snprintf(buf, sizeof(buf), "%-44s %13.4f %13.4f %12.3f\n", s1_label, r.fd_stage1_3, r.mse_stage1_3,
                 r.detail_stage1_3);
   os << buf;
@@ -658,11 +678,18 @@ std::string demo_report_text(const DemoReport& r) {
     if (r.block_errors.size() == 4) {
       os << "S0 vs PTQ (dense QAT): " << (r.block_errors[1].mean < r.block_errors[0].mean ? "lower" : "NOT lower")
          << "; S1 vs PTQ (VSA-QAT): " << (r.block_errors[3].mean < r.block_errors[2].mean ? "lower" : "NOT lower")
-         << "\n";
+         << "\n(S1 trains the per-block reconstruction and the ODE endpoint together, method.attention_weight /\n"
+            " mlp_weight / ode_weight; where the endpoint term dominates, its blocks move away from the teacher's:\n"
+            " the 3-step table below shows what that bought)\n";
     }
     os << "== 3-step samplers vs the 48-step shift-8 CFG teacher, " << r.samples
        << " held-out samples (prompts x noises) ==\n";
     sample_table(os, r, "S1 recon_ode, 3-step shifted sampler", "S2 DMD2, 3-step shifted sampler");
+    if (r.stage0_sampled) {
+      std::snprintf(buf, sizeof(buf), "S1 vs its start (S0 as VSA-QAT), 3-step feature distance %.4f -> %.4f: %s\n",
+                    r.fd_stage0_3, r.fd_stage1_3, r.fd_stage1_3 < r.fd_stage0_3 ? "lower" : "NOT lower");
+      os << buf;
+    }
     if (r.teacher_train_last > 0) {
       std::snprintf(buf, sizeof(buf), "training loss (first -> last 10 steps): teacher %.4f -> %.4f, S0 %.4f -> %.4f, "
                     "S1 %.4f -> %.4f", r.teacher_train_first, r.teacher_train_last, r.stage0_train_first,

@@ -45,6 +45,7 @@ struct DemoOptions {
   // Keep --out and skip every stage whose export is already there (re-run a later stage
   // after editing its recipe: delete that stage's export first).
   bool reuse = false;
+  std::vector<std::string> stage1_set;  // "a.b=value" overrides of the stage-1 recipe (sparse: S1 recon_ode)
   std::vector<std::string> stage2_set;  // "a.b=value" overrides of the stage-2 recipe
   bool progress = true;
 };
@@ -68,6 +69,10 @@ struct DemoReport {
   // Detail ratio: mean |finite difference| (t, h, w) of the samples over the reference's
   // (1 = as sharp as the 48-step teacher; < 1 = blurred, e.g. averaged modes).
   double detail_teacher_3 = 0, detail_stage1_3 = 0, detail_dmd_3 = 0;
+  // --recipe sparse: S1's starting point (the S0 export under the student's VSA-QAT
+  // attention) with the same 3-step shifted sampler, so the table shows what S1 bought.
+  bool stage0_sampled = false;
+  double fd_stage0_3 = 0, mse_stage0_3 = 0, detail_stage0_3 = 0;
 
   // --recipe sparse.
   std::string recipe = "dense";
