@@ -12,6 +12,7 @@
 #   VQAD_CACHE_DIR   where the venv lives (default: ~/.cache/vqad)
 #   VQAD_PYTHON      use this interpreter's torch/pyarrow and skip the venv
 #   VQAD_BUILD_TARGETS  targets to build (default: all)
+#   VQAD_PLAYGROUND=ON  also configure the kernel playgrounds (target vqad_playgrounds)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
@@ -87,7 +88,8 @@ fi
 ARCHS=${VQAD_CUDA_ARCHS:-90a;100a;120a}
 say "configuring $BUILD_DIR (python=$PY, torch CUDA=$torch_cuda, CUDA archs=$ARCHS)"
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=${VQAD_BUILD_TYPE:-RelWithDebInfo} \
-  -DVQAD_PYTHON="$PY" -DVQAD_TORCH_CUDA=$torch_cuda "-DVQAD_CUDA_ARCHS=$ARCHS" >/dev/null
+  -DVQAD_PYTHON="$PY" -DVQAD_TORCH_CUDA=$torch_cuda "-DVQAD_CUDA_ARCHS=$ARCHS" \
+  -DVQAD_PLAYGROUND=${VQAD_PLAYGROUND:-OFF} >/dev/null
 say "building ($(nproc) jobs)"
 cmake --build "$BUILD_DIR" -j"$(nproc)" ${VQAD_BUILD_TARGETS:+--target $VQAD_BUILD_TARGETS}
 say "done in $(( $(date +%s) - t0 )) s: $BUILD_DIR/vqad"

@@ -5,7 +5,7 @@
 # ${OUT:-out/gpu_check}.
 #   VQAD_GPU_TESTS=0      skip the GPU-labelled tests
 #   VQAD_GPU_BENCH=0      skip the benchmarks
-#   VQAD_GPU_BENCHES=".."  which benchmarks (default: quant linear attention step dmd2)
+#   VQAD_GPU_BENCHES=".."  which benchmarks (default: quant linear fused attention step dmd2)
 #   VQAD_GPU_CPU_TESTS=0  skip the CPU test suite
 #   VQAD_BENCH_TIMEOUT=s  per-benchmark time limit (default 300)
 # A second run on the same machine reuses the build directory (ninja no-op), so the
@@ -16,6 +16,9 @@ RESULTS=${OUT:-out/gpu_check}
 mkdir -p "$RESULTS"
 export VQAD_BUILD_DIR=${VQAD_BUILD_DIR:-build-gpu}
 export VQAD_CUDA_ARCHS=${VQAD_CUDA_ARCHS:-90a}
+# The kernel playgrounds (bench/playground) are part of the default build here, so they
+# cannot drift from the product kernels (VQAD_PLAYGROUND=OFF leaves them out).
+export VQAD_PLAYGROUND=${VQAD_PLAYGROUND:-ON}
 declare -a ROWS
 row() { ROWS+=("$(printf '%-34s %-8s %s' "$1" "$2" "$3")"); }
 
@@ -43,7 +46,7 @@ run_ctest() {  # label-args name
 [ "${VQAD_GPU_TESTS:-1}" = 1 ] && run_ctest gpu-tests -L gpu
 
 if [ "${VQAD_GPU_BENCH:-1}" = 1 ]; then
-  for b in ${VQAD_GPU_BENCHES:-quant linear attention step dmd2}; do
+  for b in ${VQAD_GPU_BENCHES:-quant linear fused attention step dmd2}; do
     if "$B/vqad" bench "$b" --help > /dev/null 2>&1; then
       if timeout "${VQAD_BENCH_TIMEOUT:-300}" "$B/vqad" bench "$b" --out "$RESULTS/bench_$b" > "$RESULTS/bench_$b.txt" 2>&1; then
         row "bench $b" ok "$RESULTS/bench_$b.txt"

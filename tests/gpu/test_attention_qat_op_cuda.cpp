@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/torch_checks.h"
 #include "vqad/core/error.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/ops/attention.h"
@@ -24,34 +25,15 @@
 
 namespace {
 
+using vqad::test::all_finite;
+using vqad::test::rel_l2;
+
 using vqad::ops::AttnQatBwdMode;
 using vqad::ops::AttnQatOptions;
 
 void require_gpu() {
   ASSERT_TRUE(torch::cuda::is_available()) << "the GPU tests need a CUDA device";
 }
-
-// Freed blocks stay in the caching allocator, so later torch::empty() results in
-// this process reuse NaN-filled memory (small and large pools both).
-void poison_allocator() {
-  std::vector<torch::Tensor> hold;
-  const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
-  for (int i = 0; i < 48; ++i) hold.push_back(torch::full({64 * 1024}, NAN, opts));       // 256 KiB
-  for (int i = 0; i < 16; ++i) hold.push_back(torch::full({1024 * 1024}, NAN, opts));     // 4 MiB
-  for (int i = 0; i < 4; ++i) hold.push_back(torch::full({8 * 1024 * 1024}, NAN, opts));  // 32 MiB
-  torch::cuda::synchronize();
-}
-
-double rel_l2(const torch::Tensor& got, const torch::Tensor& want) {
-  const torch::Tensor g = got.detach().to(torch::kCPU, torch::kFloat64);
-  const torch::Tensor w = want.detach().to(torch::kCPU, torch::kFloat64);
-  EXPECT_EQ(g.sizes(), w.sizes());
-  const double den = w.norm().item<double>();
-  const double num = (g - w).norm().item<double>();
-  return den > 0 ? num / den : num;
-}
-
-bool all_finite(const torch::Tensor& t) { return torch::isfinite(t.detach()).all().item<bool>(); }
 
 struct Grads {
   torch::Tensor o, dq, dk, dv;
@@ -95,7 +77,7 @@ void expect_cuda_matches_cpu(const Case& c, uint64_t seed) {
   opts.bwd_mode = c.mode;
 
   const Grads cpu = run_op(leaf(q), leaf(k), leaf(v), d_o, opts);
-  poison_allocator();
+  vqad::test::poison_cuda_allocator();
   const Grads gpu = run_op(leaf(q.cuda()), leaf(k.cuda()), leaf(v.cuda()), d_o.cuda(), opts);
 
   EXPECT_EQ(gpu.o.scalar_type(), c.dtype);
@@ -123,7 +105,7 @@ TEST(AttentionQatOpCuda, SelfAttentionFromPackedQkvMatchesCpuOp) {
   const AttnQatOptions opts;
   const Grads cpu =
       run_op(leaf(qkv.select(2, 0)), leaf(qkv.select(2, 1)), leaf(qkv.select(2, 2)), d_o, opts);
-  poison_allocator();
+  vqad::test::poison_cuda_allocator();
   const torch::Tensor qkv_gpu = qkv.cuda();
   const torch::Tensor qv = leaf(qkv_gpu.select(2, 0));
   ASSERT_FALSE(qv.is_contiguous());
@@ -139,7 +121,7 @@ TEST(AttentionQatOpCuda, SelfAttentionFromPackedQkvMatchesCpuOp) {
   EXPECT_LE(e_dv, 1e-2);
 
   // The backward has no atomics: a second run gives the same bits.
-  poison_allocator();
+  vqad::test::poison_cuda_allocator();
   const Grads again = run_op(leaf(qkv_gpu.select(2, 0)), leaf(qkv_gpu.select(2, 1)),
                              leaf(qkv_gpu.select(2, 2)), d_o, opts);
   EXPECT_TRUE(torch::equal(again.o, gpu.o));
@@ -177,7 +159,7 @@ TEST(AttentionQatOpCuda, QuantizationOffMatchesSoftmaxMath) {
   opts.quant_p = false;
   opts.quant_v = false;
   opts.quant_qk = false;
-  poison_allocator();
+  vqad::test::poison_cuda_allocator();
   const Grads got = run_op(leaf(q), leaf(k), leaf(v), d_o, opts);
 
   // softmax(q k^T / sqrt(D)) v in fp32 on the same bf16 values (SDPA's math path).
@@ -263,7 +245,7 @@ TEST(AttentionQatOpCuda, WanBlockWithAttnQatBackendRunsOnCuda) {
   const torch::Tensor text = torch::randn({1, 7, cfg.text_dim});
   const torch::Tensor y_cpu = cpu_model->forward(x, t, text);
   y_cpu.to(torch::kFloat32).pow(2).mean().backward();
-  poison_allocator();
+  vqad::test::poison_cuda_allocator();
   const torch::Tensor y_gpu = gpu_model->forward(x.cuda(), t.cuda(), text.cuda());
   y_gpu.to(torch::kFloat32).pow(2).mean().backward();
   torch::cuda::synchronize();

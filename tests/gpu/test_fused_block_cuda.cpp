@@ -14,18 +14,21 @@
 
 #include <ATen/cuda/CUDAContext.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "tests/support/torch_checks.h"
 #include "vqad/kernels/fused/fused_block_kernels.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/ops/fused_block.h"
 
 namespace {
+
+using vqad::test::all_finite;
+using vqad::test::rel_l2;
 
 using torch::Tensor;
 using Fn = std::function<Tensor(const std::vector<Tensor>&)>;
@@ -34,16 +37,6 @@ namespace kf = vqad::kernels::fused;
 constexpr double kEps = 1e-6;
 
 void require_gpu() { ASSERT_TRUE(torch::cuda::is_available()) << "the GPU tests need a CUDA device"; }
-
-// Freed blocks stay in the caching allocator, so later allocations reuse NaN memory.
-void poison_allocator() {
-  std::vector<Tensor> hold;
-  const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat32);
-  for (int i = 0; i < 48; ++i) hold.push_back(torch::full({64 * 1024}, NAN, opts));
-  for (int i = 0; i < 16; ++i) hold.push_back(torch::full({1024 * 1024}, NAN, opts));
-  for (int i = 0; i < 4; ++i) hold.push_back(torch::full({8 * 1024 * 1024}, NAN, opts));
-  torch::cuda::synchronize();
-}
 
 struct OpRun {
   Tensor out;
@@ -61,15 +54,6 @@ OpRun run_op(const Fn& fn, const std::vector<Tensor>& inputs, const Tensor& upst
   for (auto& t : leaves) r.grads.push_back(t.grad());
   return r;
 }
-
-double rel_l2(const Tensor& got, const Tensor& want) {
-  const Tensor g = got.detach().to(torch::kCPU, torch::kFloat64), w = want.detach().to(torch::kCPU, torch::kFloat64);
-  EXPECT_EQ(g.sizes(), w.sizes());
-  const double den = w.norm().item<double>();
-  return (g - w).norm().item<double>() / (den > 0 ? den : 1.0);
-}
-
-bool all_finite(const Tensor& t) { return torch::isfinite(t.detach()).all().item<bool>(); }
 
 struct UlpStats {
   int64_t max = 0;             // largest distance in bf16 ulps
@@ -150,7 +134,7 @@ TEST(FusedBlockCuda, ModulatedLayerNormMatchesComposite) {
   uint64_t seed = 100;
   for (const Case& c : cases()) {
     const std::string what = name_of("modulated_layer_norm", c);
-    torch::manual_seed(seed++);
+    vqad::test::SeededCase seeded(seed++);
     const int64_t vb = c.broadcast ? 1 : c.B;
     const Tensor x = (torch::randn({c.B, c.L, c.C}) * 2 + 0.5).to(c.dt);
     const Tensor scale = 0.5 * torch::randn({vb, 1, c.C}), shift = torch::randn({vb, 1, c.C});
@@ -159,7 +143,7 @@ TEST(FusedBlockCuda, ModulatedLayerNormMatchesComposite) {
     const Fn ref = [](const std::vector<Tensor>& t) {
       return vqad::ops::modulated_layer_norm_composite(t[0], t[1], t[2], kEps);
     };
-    poison_allocator();
+    vqad::test::poison_cuda_allocator();
     const OpRun got = run_op(op, {x, scale, shift}, up, kCuda);
     const OpRun gpu_ref = run_op(ref, {x, scale, shift}, up, kCuda);
     const OpRun cpu_ref = run_op(ref, {x, scale, shift}, up, kCpu);
@@ -167,7 +151,7 @@ TEST(FusedBlockCuda, ModulatedLayerNormMatchesComposite) {
     expect_forward_close(got.out, cpu_ref.out, what + " vs CPU composite");
     expect_grads_close(got, gpu_ref, 1e-3, what + " vs GPU composite");
     expect_grads_close(got, cpu_ref, 1e-3, what + " vs CPU composite");
-    poison_allocator();
+    vqad::test::poison_cuda_allocator();
     expect_bitwise_repeat(got, run_op(op, {x, scale, shift}, up, kCuda), what);
   }
 }
@@ -178,14 +162,14 @@ TEST(FusedBlockCuda, GatedResidualMatchesComposite) {
   uint64_t seed = 200;
   for (const Case& c : cases()) {
     const std::string what = name_of("gated_residual", c);
-    torch::manual_seed(seed++);
+    vqad::test::SeededCase seeded(seed++);
     const int64_t vb = c.broadcast ? 1 : c.B;
     const Tensor x = torch::randn({c.B, c.L, c.C}).to(c.dt), a = (3 * torch::randn({c.B, c.L, c.C})).to(c.dt);
     const Tensor gate = torch::randn({vb, 1, c.C});
     const Tensor up = torch::randn({c.B, c.L, c.C}).to(c.dt);
     const Fn op = [](const std::vector<Tensor>& t) { return vqad::ops::gated_residual(t[0], t[1], t[2]); };
     const Fn ref = [](const std::vector<Tensor>& t) { return vqad::ops::gated_residual_composite(t[0], t[1], t[2]); };
-    poison_allocator();
+    vqad::test::poison_cuda_allocator();
     const OpRun got = run_op(op, {x, a, gate}, up, kCuda);
     const OpRun gpu_ref = run_op(ref, {x, a, gate}, up, kCuda);
     const OpRun cpu_ref = run_op(ref, {x, a, gate}, up, kCpu);
@@ -197,7 +181,7 @@ TEST(FusedBlockCuda, GatedResidualMatchesComposite) {
     EXPECT_TRUE(torch::equal(got.grads[1].cpu(), cpu_ref.grads[1])) << what << ": da";
     expect_grads_close(got, gpu_ref, 1e-5, what + " vs GPU composite");
     expect_grads_close(got, cpu_ref, 1e-5, what + " vs CPU composite");
-    poison_allocator();
+    vqad::test::poison_cuda_allocator();
     expect_bitwise_repeat(got, run_op(op, {x, a, gate}, up, kCuda), what);
   }
 }
@@ -220,7 +204,7 @@ TEST(FusedBlockCuda, RmsNormRopeMatchesComposite) {
       const std::string what = std::string(rope ? "rms_norm_rope" : "rms_norm") + " B=" + std::to_string(c.B) +
                                " L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " D=" +
                                std::to_string(c.D) + " " + c10::toString(c.dt);
-      torch::manual_seed(seed++);
+      vqad::test::SeededCase seeded(seed++);
       const Tensor x = (torch::randn({c.B, c.L, c.C}) * 2).to(c.dt);
       const Tensor w = 1 + 0.3 * torch::randn({c.C});
       const Tensor up = torch::randn({c.B, c.L, c.C}).to(c.dt);
@@ -236,7 +220,7 @@ TEST(FusedBlockCuda, RmsNormRopeMatchesComposite) {
       const Fn cpu_fn = [&](const std::vector<Tensor>& t) {
         return vqad::ops::rms_norm_rope_composite(t[0], t[1], kEps, cos_cpu, sin_cpu);
       };
-      poison_allocator();
+      vqad::test::poison_cuda_allocator();
       const OpRun got = run_op(op, {x, w}, up, kCuda);
       const OpRun gpu_ref = run_op(gpu_fn, {x, w}, up, kCuda);
       const OpRun cpu_ref = run_op(cpu_fn, {x, w}, up, kCpu);
@@ -255,7 +239,7 @@ TEST(FusedBlockCuda, RmsNormRopeMatchesComposite) {
         EXPECT_LE(rel_l2(got.out, ref->out), c.dt == f32 ? 1e-6 : 1e-3) << where;
         expect_grads_close(got, *ref, 1e-3, where);
       }
-      poison_allocator();
+      vqad::test::poison_cuda_allocator();
       expect_bitwise_repeat(got, run_op(op, {x, w}, up, kCuda), what);
     }
   }
@@ -393,56 +377,6 @@ TEST(FusedBlockCuda, BadInputsAreClearErrors) {
   EXPECT_NE(msg.find("4097 columns exceed"), std::string::npos) << msg;
 }
 
-// ---- timing at the stage-1 shape (printed, not asserted) -----------------------------------------
-double ms_per_call(const std::function<void()>& f, int iters = 20) {
-  f();
-  torch::cuda::synchronize();
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) f();
-  torch::cuda::synchronize();
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / iters;
-}
-
-TEST(FusedBlockCuda, TimingAtWan13BStage1Shape) {
-  require_gpu();
-  const int64_t B = 1, L = 31200, H = 12, D = 128, C = H * D;
-  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
-  torch::manual_seed(61);
-  const Tensor x = torch::randn({B, L, C}, cuda).to(torch::kBFloat16).requires_grad_(true);
-  const Tensor a = torch::randn({B, L, C}, cuda).to(torch::kBFloat16).requires_grad_(true);
-  const Tensor e = torch::randn({B, 6, C}, cuda).requires_grad_(true);
-  const Tensor w = torch::ones({C}, cuda).requires_grad_(true);
-  const Tensor g = torch::randn({B, L, C}, cuda).to(torch::kBFloat16);
-  const Tensor angle = torch::rand({L, D / 2}, cuda);
-  const Tensor cs = torch::cos(angle), sn = torch::sin(angle);
-  auto step = [&](const std::function<Tensor()>& f) {
-    return [&, f] {
-      Tensor out = f();
-      torch::autograd::grad({out}, {x, e, a, w}, {g}, /*retain_graph=*/false, /*create_graph=*/false,
-                            /*allow_unused=*/true);
-    };
-  };
-  auto parts = [&] { return e.chunk(6, 1); };
-  struct Row {
-    const char* name;
-    std::function<Tensor()> fused, composite;
-  };
-  const std::vector<Row> rows{
-      {"modulated_layer_norm",
-       [&] { auto p = parts(); return vqad::ops::modulated_layer_norm(x, p[1], p[0], kEps); },
-       [&] { auto p = parts(); return vqad::ops::modulated_layer_norm_composite(x, p[1], p[0], kEps); }},
-      {"gated_residual", [&] { return vqad::ops::gated_residual(x, a, parts()[2]); },
-       [&] { return vqad::ops::gated_residual_composite(x, a, parts()[2]); }},
-      {"rms_norm_rope", [&] { return vqad::ops::rms_norm_rope(x, w, kEps, cs, sn); },
-       [&] { return vqad::ops::rms_norm_rope_composite(x, w, kEps, cs, sn); }},
-  };
-  std::printf("  [1, %lld, %lld] bf16, forward + backward, ms per call:\n", (long long)L, (long long)C);
-  for (const Row& r : rows) {
-    const double fused = ms_per_call(step(r.fused)), composite = ms_per_call(step(r.composite));
-    std::printf("  %-22s fused %7.3f  composite %7.3f  (%.1fx)\n", r.name, fused, composite, composite / fused);
-  }
-}
-
 // ---- the model on CUDA runs the fused ops -----------------------------------------------------------
 // A tiny Wan model (bf16, gradient checkpointing: the ops run under no-grad, then again
 // for the backward) trains a step on CUDA and agrees with the same model on CPU.
@@ -474,7 +408,7 @@ TEST(FusedBlockCuda, WanModelWithFusedOpsMatchesCpu) {
   const Tensor text = torch::randn({1, 7, cfg.text_dim});
   const Tensor y_cpu = cpu_model->forward(x, t, text);
   y_cpu.to(torch::kFloat32).pow(2).mean().backward();
-  poison_allocator();
+  vqad::test::poison_cuda_allocator();
   const Tensor y_gpu = gpu_model->forward(x.cuda(), t.cuda(), text.cuda());
   y_gpu.to(torch::kFloat32).pow(2).mean().backward();
   torch::cuda::synchronize();

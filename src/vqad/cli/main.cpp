@@ -24,6 +24,7 @@ void register_media_commands(CLI::App& app);
 void register_export_commands(CLI::App& app);
 void register_sample_commands(CLI::App& app);
 void register_bench_vae_commands(CLI::App& app);  // bench/bench_vae.cpp
+void register_bench_fused_commands(CLI::App& app);  // bench/bench_fused.cpp
 void register_launch_commands(CLI::App& app);  // cmd_launch.cpp: `vqad launch`, `vqad dist check`
 void register_bench_checkpoint_commands(CLI::App& app);  // bench/bench_checkpoint.cpp
 void register_calibrate_commands(CLI::App& app);  // cmd_calibrate.cpp: `vqad calibrate`
@@ -53,6 +54,7 @@ int main(int argc, char** argv) {
   vqad::cli::register_plot_commands(app);
   vqad::cli::register_media_commands(app);
   vqad::cli::register_bench_vae_commands(app);
+  vqad::cli::register_bench_fused_commands(app);
   vqad::cli::register_config_commands(app);
   vqad::cli::register_op_attention_commands(app);
   vqad::cli::register_nvfp4_commands(app);
