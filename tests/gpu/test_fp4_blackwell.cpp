@@ -161,6 +161,51 @@ TEST(Fp4Blackwell, BlockScaledGemmMatchesTheDequantizedFp32Gemm) {
   EXPECT_EQ(bad, 0);
 }
 
+TEST(Fp4Blackwell, BlockScaledGemmWithFp32OutputIsTheFp32SumOfTheExactProducts) {
+  REQUIRE_FP4_ROUTES();
+  // The output the nvfp4 linears' fp4 route takes (it adds the bias itself, in the
+  // fake-quant route's order): alpha * acc in fp32, no bf16 rounding.
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t m = 131, n = 72, k = 96;
+  std::vector<float> x(m * k), w(n * k);
+  for (auto& v : x) v = nd(rng) * std::exp(nd(rng));
+  for (auto& v : w) v = nd(rng) * 0.05f;
+  auto amax_of = [](const std::vector<float>& v) {
+    float a = 0.0f;
+    for (float e : v) a = std::max(a, std::fabs(e));
+    return a;
+  };
+  const float sx = nv::encode_scale_from_amax(amax_of(x)), sw = nv::encode_scale_from_amax(amax_of(w));
+  const auto qx = nv::quantize_matrix(x.data(), m, k, sx), qw = nv::quantize_matrix(w.data(), n, k, sw);
+  const float alpha = (1.0f / sx) * (1.0f / sw);
+  Dev<uint8_t> a(qx.packed_codes()), asf(qx.scales_swizzled), b(qw.packed_codes()), bsf(qw.scales_swizzled);
+  Dev<float> ab(std::vector<float>{alpha, 0.0f});
+  Dev<float> d(size_t(m * n));
+  Dev<uint8_t> ws(fp4::kFp4GemmWorkspaceBytes);
+  fp4::gemm_fp4_nt(a.p, asf.p, b.p, bsf.p, d.p, m, n, k, ab.p, ws.p, ws.n, nullptr, fp4::Fp4GemmOut::kF32);
+  VQAD_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = d.host();
+  int bad = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = 0.0, mag = 0.0;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const double xu = nv::e2m1_decode(qx.codes[i * k + kk]) * nv::e4m3_decode(qx.scales[(i * k + kk) / 16]);
+        const double wu = nv::e2m1_decode(qw.codes[j * k + kk]) * nv::e4m3_decode(qw.scales[(j * k + kk) / 16]);
+        acc += xu * wu;
+        mag += std::fabs(xu * wu);
+      }
+      // fp32 accumulation in any order, then alpha: k * 2^-24 of the magnitudes, plus one rounding.
+      const double ref = acc * alpha;
+      const double tol =
+          (double(k) * std::ldexp(1.0, -24) * mag + std::ldexp(1.0, -23) * std::fabs(acc)) * alpha + 1e-30;
+      if (!(std::fabs(got[i * n + j] - ref) <= tol) && ++bad < 5)
+        ADD_FAILURE() << "d[" << i << ", " << j << "] = " << got[i * n + j] << ", reference " << ref;
+    }
+  EXPECT_EQ(bad, 0);
+}
+
 TEST(Fp4Blackwell, RoutesAreRefusedWithAReasonWhereTheyCannotRun) {
   std::string why;
   if (fp4::fp4_routes_available(-1, &why)) GTEST_SKIP() << "this GPU runs the FP4 routes";

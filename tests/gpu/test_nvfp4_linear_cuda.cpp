@@ -2,14 +2,23 @@
 // unit-scaled operand bit for bit, the cuBLASLt GEMM with a device alpha, the whole
 // forward (dynamic / static / unit) and the straight-through backward. Outputs the
 // kernels write are NaN-poisoned first; shapes are not multiples of any tile.
+// The forward GEMM routes: on a GPU without FP4 tensor cores (sm_90) auto is fake_quant bit
+// for bit and fp4 is refused with one line; on sm_100 / sm_120 the fp4 route (Blackwell
+// quantizer + block-scaled FP4 GEMM) equals the fake-quant route within the noise floor of
+// two fake-quant GEMM summation orders (CPU fp32 torch mm vs CUDA cuBLASLt), measured here.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <iostream>
 #include <limits>
+#include <string>
 
+#include "vqad/core/error.h"
 #include "vqad/ops/nvfp4_linear.h"
+#include "vqad/ops/nvfp4_packed_linear.h"
 
 #ifdef VQAD_WITH_TORCH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -233,6 +242,163 @@ TEST(Nvfp4LinearCuda, DisabledQadLinearIsDenseOnGpu) {
   lin.set_enabled(false);
   EXPECT_TRUE(torch::equal(lin.forward(x, w, b), vqad::ops::dense_linear(x, w, b)));
   EXPECT_FALSE(torch::equal(q, vqad::ops::dense_linear(x, w, b)));
+}
+
+
+// ---- forward GEMM routes ------------------------------------------------------------------
+using vqad::ops::Nvfp4GemmRoute;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const vqad::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Nvfp4LinearRoutes, WithoutFp4TensorCoresAutoIsFakeQuantBitForBitAndFp4IsRefused) {
+  REQUIRE_GPU();
+  const torch::Device dev(torch::kCUDA, 0);
+  std::string why;
+  if (vqad::ops::nvfp4_fp4_route_available(dev, &why))
+    GTEST_SKIP() << "this GPU has FP4 tensor cores (see the fp4 tests)";
+  std::cout << "fp4 route unavailable on this GPU: " << why << "\n";
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+  const std::string sm = "sm_" + std::to_string(major * 10 + minor);
+  EXPECT_NE(why.find(sm), std::string::npos) << why;  // names the capability
+  EXPECT_NE(why.find("device 0 ("), std::string::npos) << why;  // and the device
+  EXPECT_EQ(vqad::ops::resolve_nvfp4_gemm_route(Nvfp4GemmRoute::kAuto, dev, "k"), Nvfp4GemmRoute::kFakeQuant);
+  const std::string e = error_of(
+      [&] { vqad::ops::resolve_nvfp4_gemm_route(Nvfp4GemmRoute::kFp4, dev, "training.linear_quantization.gemm"); });
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  EXPECT_EQ(e.rfind("training.linear_quantization.gemm: the fp4 GEMM route needs a GPU with FP4 tensor cores, but "
+                    "device 0 (",
+                    0),
+            0u)
+      << e;
+  EXPECT_NE(e.find(sm), std::string::npos) << e;
+  // auto runs exactly the fake-quant linear (forward and backward), for every activation mode.
+  const torch::Tensor x0 = heavy_tailed({3, 41, 96}, 30).to(torch::kBFloat16).cuda();
+  const torch::Tensor w0 = (heavy_tailed({56, 96}, 31) * 0.05).cuda(), b0 = torch::randn({56}).cuda();
+  for (auto mode : {ScaleMode::kDynamic, ScaleMode::kStatic, ScaleMode::kUnit}) {
+    auto leaf = [](const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+    torch::Tensor xa = leaf(x0), wa = leaf(w0), xf = leaf(x0), wf = leaf(w0);
+    const torch::Tensor ya = vqad::ops::nvfp4_linear(xa, wa, b0, mode, 5.0f, torch::Tensor(), Nvfp4GemmRoute::kAuto);
+    const torch::Tensor yf =
+        vqad::ops::nvfp4_linear(xf, wf, b0, mode, 5.0f, torch::Tensor(), Nvfp4GemmRoute::kFakeQuant);
+    EXPECT_TRUE(torch::equal(ya, yf)) << vqad::nvfp4::scale_mode_name(mode);
+    const torch::Tensor g = torch::randn(ya.sizes(), ya.options());
+    ya.backward(g);
+    yf.backward(g);
+    EXPECT_TRUE(torch::equal(xa.grad(), xf.grad()));
+    EXPECT_TRUE(torch::equal(wa.grad(), wf.grad()));
+    EXPECT_NE(error_of([&] {
+                vqad::ops::nvfp4_linear(x0, w0, b0, mode, 5.0f, torch::Tensor(), Nvfp4GemmRoute::kFp4);
+              }).find(sm),
+              std::string::npos);
+  }
+  // The packed (inference) linear: auto is its fake-quant forward bit for bit.
+  const float s_enc_w = vqad::nvfp4::encode_scale_from_amax(vqad::ops::bf16_amax_cpu(w0.cpu()));
+  vqad::ops::Nvfp4PackedLinear p("blocks.0.attn1.to_q", vqad::ops::nvfp4_unit_operand_cpu(w0.cpu(), s_enc_w),
+                                 1.0f / s_enc_w, ScaleMode::kUnit);
+  torch::NoGradGuard ng;
+  const torch::Tensor pf = p.forward(x0, torch::Tensor(), b0);
+  p.set_gemm_route(Nvfp4GemmRoute::kAuto);
+  EXPECT_TRUE(torch::equal(p.forward(x0, torch::Tensor(), b0), pf));
+  EXPECT_TRUE(torch::equal(pf, vqad::ops::nvfp4_linear(x0, w0, b0, ScaleMode::kUnit)));
+}
+
+// Per element: one bf16 rounding of the result plus the fp32 accumulation-order term (the
+// tolerance of ForwardMatchesCpuReference); the ratio max |got - want| / tol.
+double worst_ratio(const torch::Tensor& got, const torch::Tensor& want) {
+  const torch::Tensor g = got.cpu().to(torch::kFloat32), c = want.cpu().to(torch::kFloat32);
+  const torch::Tensor tol = c.abs() * std::ldexp(1.0, -7) + 1e-5 * c.abs().max() + 1e-30;
+  return ((g - c).abs() / tol).max().item<double>();
+}
+double frac_equal(const torch::Tensor& got, const torch::Tensor& want) {
+  return (got.cpu().to(torch::kFloat32) == want.cpu().to(torch::kFloat32)).to(torch::kFloat64).mean().item<double>();
+}
+
+#define REQUIRE_FP4_ROUTE()                                                                         \
+  do {                                                                                              \
+    REQUIRE_GPU();                                                                                  \
+    std::string why;                                                                                \
+    if (!vqad::ops::nvfp4_fp4_route_available(torch::Device(torch::kCUDA, 0), &why))                \
+      GTEST_SKIP() << "fp4 GEMM route not run (needs FP4 tensor cores): " << why;                   \
+  } while (0)
+
+TEST(Nvfp4LinearRoutes, Fp4RouteEqualsFakeQuantWithinTheSummationOrderNoiseFloor) {
+  REQUIRE_FP4_ROUTE();
+  EXPECT_EQ(vqad::ops::resolve_nvfp4_gemm_route(Nvfp4GemmRoute::kAuto, torch::Device(torch::kCUDA, 0), "k"),
+            Nvfp4GemmRoute::kFp4);
+  // K = 160 and 48 are not multiples of 32 (the FP4 GEMM's K step): zero blocks pad them.
+  for (int64_t k : {160, 48, 256}) {
+    const torch::Tensor x = heavy_tailed({3, 101, k}, 40 + k);  // M = 303
+    for (int64_t n : {83, 88}) {
+      const torch::Tensor w = heavy_tailed({n, k}, 41 + n) * 0.03;
+      const torch::Tensor b = torch::randn({n});
+      for (auto mode : {ScaleMode::kDynamic, ScaleMode::kStatic, ScaleMode::kUnit}) {
+        for (auto dt : {torch::kFloat32, torch::kBFloat16}) {
+          for (bool with_bias : {true, false}) {
+            const torch::Tensor xd = x.to(dt), bb = with_bias ? b : torch::Tensor();
+            const torch::Tensor cpu = vqad::ops::nvfp4_linear(xd, w, bb, mode, 6.5f);
+            const torch::Tensor fq = vqad::ops::nvfp4_linear(xd.cuda(), w.cuda(), with_bias ? b.cuda() : bb, mode, 6.5f,
+                                                             torch::Tensor(), Nvfp4GemmRoute::kFakeQuant);
+            const torch::Tensor f4 = vqad::ops::nvfp4_linear(xd.cuda(), w.cuda(), with_bias ? b.cuda() : bb, mode, 6.5f,
+                                                             torch::Tensor(), Nvfp4GemmRoute::kFp4);
+            ASSERT_EQ(f4.sizes(), cpu.sizes());
+            ASSERT_EQ(f4.scalar_type(), dt);
+            EXPECT_FALSE(torch::isnan(f4.cpu()).any().item<bool>());
+            // The noise floor: two fake-quant GEMMs that differ only in their summation order.
+            const double floor_ratio = worst_ratio(fq, cpu), floor_eq = frac_equal(fq, cpu);
+            const double r = worst_ratio(f4, cpu), eq = frac_equal(f4, cpu);
+            const std::string what = "K=" + std::to_string(k) + " N=" + std::to_string(n) + " " +
+                                     vqad::nvfp4::scale_mode_name(mode) + " " + std::string(c10::toString(dt)) +
+                                     " bias=" + std::to_string(with_bias);
+            std::cout << what << ": noise floor (CUDA fake-quant vs CPU) max err/tol " << floor_ratio << ", exact "
+                      << floor_eq << "; fp4 route max err/tol " << r << ", exact " << eq << "\n";
+            EXPECT_LE(r, std::max(1.0, 2.0 * floor_ratio)) << what;
+            EXPECT_GE(eq, std::min(0.9, floor_eq - 0.05)) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Nvfp4LinearRoutes, Fp4RouteKeepsTheStraightThroughBackwardAndThePackedPath) {
+  REQUIRE_FP4_ROUTE();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const torch::Tensor x0 = torch::randn({2, 55, 64}, cuda.dtype(torch::kBFloat16));
+  const torch::Tensor w0 = torch::randn({40, 64}, cuda) * 0.1, b0 = torch::randn({40}, cuda);
+  auto leaf = [](const torch::Tensor& t) { return t.detach().clone().requires_grad_(true); };
+  torch::Tensor x4 = leaf(x0), w4 = leaf(w0), b4 = leaf(b0), xf = leaf(x0), wf = leaf(w0), bf = leaf(b0);
+  const torch::Tensor y4 = vqad::ops::nvfp4_linear(x4, w4, b4, ScaleMode::kDynamic, 0.0f, torch::Tensor(),
+                                                   Nvfp4GemmRoute::kFp4);
+  const torch::Tensor yf = vqad::ops::nvfp4_linear(xf, wf, bf, ScaleMode::kDynamic);
+  const torch::Tensor g = torch::randn(y4.sizes(), cuda).to(y4.scalar_type());
+  y4.backward(g);
+  yf.backward(g);
+  EXPECT_TRUE(torch::equal(x4.grad(), xf.grad()));
+  EXPECT_TRUE(torch::equal(w4.grad(), wf.grad()));
+  EXPECT_TRUE(torch::equal(b4.grad(), bf.grad()));
+  // Packed: the weight's codes recovered from the stored unit weight; within the floor of
+  // the fake-quant packed forward.
+  torch::NoGradGuard ng;
+  for (auto mode : {ScaleMode::kStatic, ScaleMode::kUnit, ScaleMode::kDynamic}) {
+    const float s_enc_w = vqad::nvfp4::encode_scale_from_amax(vqad::ops::bf16_amax_cpu(w0.cpu()));
+    vqad::ops::Nvfp4PackedLinear p("blocks.0.ffn.net.0.proj", vqad::ops::nvfp4_unit_operand_cpu(w0.cpu(), s_enc_w),
+                                   1.0f / s_enc_w, mode, mode == ScaleMode::kStatic ? 4.0f : 0.0f);
+    const torch::Tensor cpu = p.forward(x0.cpu(), torch::Tensor(), b0.cpu());
+    const torch::Tensor fq = p.forward(x0, torch::Tensor(), b0);
+    p.set_gemm_route(Nvfp4GemmRoute::kFp4);
+    const torch::Tensor f4 = p.forward(x0, torch::Tensor(), b0);
+    EXPECT_LE(worst_ratio(f4, cpu), std::max(1.0, 2.0 * worst_ratio(fq, cpu))) << vqad::nvfp4::scale_mode_name(mode);
+    EXPECT_GE(frac_equal(f4, cpu), std::min(0.9, frac_equal(fq, cpu) - 0.05));
+  }
 }
 
 }  // namespace

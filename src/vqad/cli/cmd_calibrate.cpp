@@ -41,6 +41,18 @@ void register_calibrate_commands(CLI::App& app) {
     o.out = *out;
     o.batches = *batches;
     const auto env = dist::launch_env();
+    // training.distributed.num_gpus > 1 is the world the recipe runs on (as for `vqad train`): a
+    // single process calibrating it would record the maxima of one rank's share of the data.
+    // (num_gpus 1, the default, under a launcher: the launched ranks are the world.)
+    const int64_t num_gpus = run.training.distributed.num_gpus;
+    if (num_gpus > 1 && num_gpus != env.world_size) {
+      if (env.world_size == 1)
+        fail("training.distributed.num_gpus = ", num_gpus, " but vqad calibrate runs as a single process; start "
+             "the ranks with `vqad launch --nproc ", num_gpus, " calibrate ", *config, " --out ", *out,
+             "` (or torchrun / srun), or calibrate on one device with --training.distributed.num_gpus 1");
+      fail("training.distributed.num_gpus = ", num_gpus, " but this process is one of ", env.world_size,
+           " launched ranks; launch ", num_gpus, " ranks or set --training.distributed.num_gpus ", env.world_size);
+    }
     std::shared_ptr<dist::ProcessGroup> pg;
     if (env.distributed()) {
       if (o.device.is_cuda()) o.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));

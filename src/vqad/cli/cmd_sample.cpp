@@ -39,6 +39,10 @@ void register_sample_commands(CLI::App& app) {
   sub->add_option("--renoise-seed", o->renoise_seed, "DMD re-noising seed (default 0)");
   sub->add_option("--attention", o->attention, "attention backend (default: the one the model was trained with)");
   sub->add_option("--device", *device, "cpu (default) | cuda | cuda:N | auto");
+  sub->add_option("--gemm", o->gemm,
+                  "forward GEMM of the NVFP4 linears: auto (default: fp4 where the GPU has FP4 tensor cores) | "
+                  "fake_quant | fp4")
+      ->check(CLI::IsMember({"auto", "fake_quant", "fp4"}));
   sub->add_flag("--no-preview", *no_preview, "do not write preview.png");
   sub->add_option("--vae", dec->vae,
                   "also decode: Wan VAE directory (config.json + weights) or a Diffusers root with vae/ "

@@ -20,6 +20,7 @@ struct LinearQuantizationConfig {
   bool quantize_gate = false;         // the VSA compression gate to_gate_compress
   std::vector<int64_t> skip_blocks;   // blocks left high precision
   bool shared_qkv_scale = false;      // one weight / activation global scale per q/k/v (and cross k/v)
+  std::string gemm = "auto";          // forward GEMM route: auto | fake_quant | fp4 (ops::Nvfp4GemmRoute)
 };
 
 // The run's training.linear_quantization (defaults when the recipe has no such section).

@@ -110,6 +110,7 @@ void validate_roles(const Ctx& ctx, const RunConfig& c, const Json& raw_models, 
       refuse(q.quantize_gate != d.quantize_gate, "quantize_gate");
       refuse(!q.skip_blocks.empty(), "skip_blocks");
       refuse(q.shared_qkv_scale, "shared_qkv_scale");
+      refuse(q.gemm != d.gemm, "gemm");
     } else if (sq != "nvfp4_qad" && !q.act_amax_json.empty()) {
       key_fail(ctx, p + "act_amax_json", "quant_config ", sq, " has no static (calibrated) activation scales; the "
                "amax table applies to nvfp4_qad");

@@ -155,6 +155,11 @@ const SectionSchema& linear_quantization_schema() {
           key("shared_qkv_scale", K::kBool, false,
               "one weight and one activation global scale for the q/k/v of each self-attention and the k/v of each "
               "cross-attention, in training and in the packed export (engines that fuse QKV require it)"),
+          choice_key("gemm", {"auto", "fake_quant", "fp4"}, "auto",
+                     "forward GEMM of the NVFP4 linears: fake_quant (dequantized operands, BF16 GEMM; every device), "
+                     "fp4 (E2M1 codes through cuBLASLt's block-scaled FP4 GEMM; needs sm_100 / sm_120, an error "
+                     "elsewhere) or auto (fp4 where the device has FP4 tensor cores, else fake_quant); the backward "
+                     "is the same for all"),
       }};
   return s;
 }
@@ -447,6 +452,7 @@ LinearQuantizationConfig parse_linear_quantization(const Ctx& ctx, const Json* t
   x.quantize_gate = q.boolean("quantize_gate");
   x.skip_blocks = q.i64_list("skip_blocks");
   x.shared_qkv_scale = q.boolean("shared_qkv_scale");
+  x.gemm = q.choice("gemm");
   q.finish();
   check(x.calibration_batches >= 1, ctx, "training.linear_quantization.calibration_batches",
         "must be >= 1, found " + std::to_string(x.calibration_batches));
@@ -465,7 +471,8 @@ Json to_json(const LinearQuantizationConfig& q) {
           {"quantize_ffn", q.quantize_ffn},
           {"quantize_gate", q.quantize_gate},
           {"skip_blocks", q.skip_blocks.empty() ? Json::array() : Json(q.skip_blocks)},
-          {"shared_qkv_scale", q.shared_qkv_scale}};
+          {"shared_qkv_scale", q.shared_qkv_scale},
+          {"gemm", q.gemm}};
 }
 
 }  // namespace vqad::train::sections

@@ -6,10 +6,12 @@
 
 #include "vqad/core/attention_backend.h"
 #include "vqad/core/error.h"
+#include "vqad/core/log.h"
 #include "vqad/core/png.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/io/tensors.h"
 #include "vqad/ops/attention.h"
+#include "vqad/ops/nvfp4_linear.h"
 #include "vqad/ops/tensor_text.h"
 #include "vqad/train/flow_matching.h"
 #include "vqad/train/sampling.h"
@@ -109,6 +111,15 @@ SampleResult run_sample(const SampleOptions& o) {
   r.kind = im.kind;
   auto& m = *im.model;
   m.to(o.device);
+  {
+    const ops::Nvfp4GemmRoute requested = ops::parse_nvfp4_gemm_route(o.gemm, "sample --gemm");
+    const ops::Nvfp4GemmRoute route = ops::resolve_nvfp4_gemm_route(requested, o.device, "sample --gemm");
+    if (ops::set_nvfp4_gemm_route(im.quants, route) > 0) {
+      r.gemm_route = ops::nvfp4_gemm_route_name(route);
+      log::info("sample: ", model_kind_name(im.kind), " model, NVFP4 linear forward GEMM route ", r.gemm_route,
+                " (--gemm ", o.gemm, ", device ", o.device.str(), ")");
+    }
+  }
   const auto& cfgm = m.config();
   VQAD_CHECK(text.size(2) == cfgm.text_dim, o.prompts, ": 'text' has width ", text.size(2), ", the model's text_dim is ",
              cfgm.text_dim);
@@ -164,7 +175,8 @@ SampleResult run_sample(const SampleOptions& o) {
       {"noise", o.noise.empty() ? nlohmann::json({{"seed", o.seed}, {"latent_shape", o.latent_shape}})
                                 : nlohmann::json(fs::absolute(o.noise).string())},
       {"renoise_seed", o.renoise_seed},
-      {"device", o.device.str()}};
+      {"device", o.device.str()},
+      {"gemm_route", r.gemm_route.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.gemm_route)}};
   if (im.metadata.is_object() && im.metadata.contains("checkpoint"))
     info["checkpoint_id"] = im.metadata["checkpoint"].value("id", "");
   st::write_file_atomic((fs::path(o.out) / "sample.json").string(), {info.dump(2) + "\n"});

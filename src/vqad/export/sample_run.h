@@ -27,6 +27,9 @@ struct SampleOptions {
   uint64_t renoise_seed = 0;   // DMD re-noising generator
   std::string attention;   // attention backend; "" = the one the model was trained with (metadata), else TORCH_SDPA
   torch::Device device = torch::kCPU;
+  // Forward GEMM of the NVFP4 linears (fake-quant and packed models): auto | fake_quant | fp4,
+  // as training.linear_quantization.gemm; fp4 on a device without FP4 tensor cores is an error.
+  std::string gemm = "auto";
   bool preview = true;     // write preview.png
 };
 
@@ -35,6 +38,7 @@ struct SampleResult {
   torch::Tensor noise;     // the initial noise used
   ModelKind kind = ModelKind::kDense;
   std::string attention;
+  std::string gemm_route;  // the NVFP4 linears' resolved route ("" for a dense model)
   std::vector<std::string> files;  // written, relative to out
 };
 

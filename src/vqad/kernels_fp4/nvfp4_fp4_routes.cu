@@ -4,10 +4,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include <mutex>
 #include <stdexcept>
-#include <vector>
 
+#include "vqad/kernels/common/cublaslt.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
 
@@ -15,6 +14,8 @@ namespace vqad::kernels::fp4 {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr const char* kGemmWhat = "nvfp4 block-scaled FP4 GEMM";
+#define LT_CHECK_GEMM(expr) VQAD_LT_CHECK(kGemmWhat, expr)
 
 __device__ __forceinline__ uint8_t e4m3_byte(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
@@ -109,36 +110,6 @@ __global__ void swizzle_kernel(const uint8_t* scales, int64_t rows, int64_t cols
 
 int grid_for(int64_t n) { return int(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)); }
 
-void lt_check(cublasStatus_t st, const char* op) {
-  if (st != CUBLAS_STATUS_SUCCESS)
-    throw std::runtime_error(std::string("cuBLASLt (FP4 GEMM) error in ") + op + ": status " + std::to_string(int(st)));
-}
-#define VQAD_FP4_LT_CHECK(expr) lt_check((expr), #expr)
-
-cublasLtHandle_t lt_handle() {
-  static std::mutex mu;
-  static std::vector<cublasLtHandle_t> handles;
-  int device = 0;
-  VQAD_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  if (handles.size() <= size_t(device)) handles.resize(device + 1, nullptr);
-  if (!handles[device]) VQAD_FP4_LT_CHECK(cublasLtCreate(&handles[device]));
-  return handles[device];
-}
-
-struct LtDescs {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~LtDescs() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
 }  // namespace
 
 bool fp4_routes_available(int device, std::string* why) {
@@ -189,45 +160,47 @@ void launch_swizzle_scales(const uint8_t* scales, int64_t rows, int64_t scale_co
 
 void gemm_fp4_nt(const uint8_t* a, const uint8_t* a_sf, const uint8_t* b, const uint8_t* b_sf, void* d, int64_t m,
                  int64_t n, int64_t k, const float* alpha_beta, void* workspace, size_t workspace_bytes,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, Fp4GemmOut out) {
   if (k % 32 != 0 || m <= 0 || n <= 0)
     throw std::runtime_error("nvfp4 FP4 GEMM: needs M, N > 0 and K % 32 == 0, got M=" + std::to_string(m) +
                              " N=" + std::to_string(n) + " K=" + std::to_string(k));
   if (workspace_bytes < kFp4GemmWorkspaceBytes)
     throw std::runtime_error("nvfp4 FP4 GEMM: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
                              std::to_string(kFp4GemmWorkspaceBytes));
-  cublasLtHandle_t handle = lt_handle();
+  cublasLtHandle_t handle = cublaslt_handle();
   LtDescs desc;
-  VQAD_FP4_LT_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  LT_CHECK_GEMM(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   // Row-major d[M, N] = a[M, K] . b[N, K]^T is column-major d^T = b . a^T: "A" = b (T), "B" = a (N).
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-  VQAD_FP4_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
-  VQAD_FP4_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
   const cublasLtPointerMode_t pointer_mode = CUBLASLT_POINTER_MODE_DEVICE;
-  VQAD_FP4_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode,
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode,
                                                    sizeof(pointer_mode)));
   const cublasLtMatmulMatrixScale_t vec16 = CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
-  VQAD_FP4_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec16, sizeof(vec16)));
-  VQAD_FP4_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec16, sizeof(vec16)));
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec16, sizeof(vec16)));
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec16, sizeof(vec16)));
   const void* sa = b_sf;
   const void* sb = a_sf;
-  VQAD_FP4_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
-  VQAD_FP4_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
-  VQAD_FP4_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_4F_E2M1, uint64_t(k), uint64_t(n), k));
-  VQAD_FP4_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_4F_E2M1, uint64_t(k), uint64_t(m), k));
-  VQAD_FP4_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_16BF, uint64_t(n), uint64_t(m), n));
-  VQAD_FP4_LT_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  LT_CHECK_GEMM(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_4F_E2M1, uint64_t(k), uint64_t(n), k));
+  LT_CHECK_GEMM(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_4F_E2M1, uint64_t(k), uint64_t(m), k));
+  const cudaDataType_t d_type = out == Fp4GemmOut::kF32 ? CUDA_R_32F : CUDA_R_16BF;
+  LT_CHECK_GEMM(cublasLtMatrixLayoutCreate(&desc.d, d_type, uint64_t(n), uint64_t(m), n));
+  LT_CHECK_GEMM(cublasLtMatmulPreferenceCreate(&desc.pref));
   const size_t ws = kFp4GemmWorkspaceBytes;
-  VQAD_FP4_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+  LT_CHECK_GEMM(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                          sizeof(ws)));
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  VQAD_FP4_LT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
+  LT_CHECK_GEMM(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
                                                    &heuristic, &found));
   if (found == 0)
     throw std::runtime_error("nvfp4 FP4 GEMM: cuBLASLt found no block-scaled FP4 algorithm for M=" +
-                             std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k));
-  VQAD_FP4_LT_CHECK(cublasLtMatmul(handle, desc.op, alpha_beta, b, desc.a, a, desc.b, alpha_beta + 1, d, desc.d, d,
+                             std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
+                             (out == Fp4GemmOut::kF32 ? " (fp32 output)" : " (bf16 output)"));
+  LT_CHECK_GEMM(cublasLtMatmul(handle, desc.op, alpha_beta, b, desc.a, a, desc.b, alpha_beta + 1, d, desc.d, d,
                                    desc.d, &heuristic.algo, workspace, ws, stream));
 }
 

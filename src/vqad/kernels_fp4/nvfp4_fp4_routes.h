@@ -38,12 +38,16 @@ void launch_swizzle_scales(const uint8_t* scales, int64_t rows, int64_t scale_co
                            cudaStream_t stream);
 int64_t swizzled_bytes(int64_t rows, int64_t scale_cols);
 
-// d[M, N] (row-major bf16) = bf16(alpha * a[M, K] . b[N, K]^T), a and b packed E2M1 codes
-// ([M, K/2], [N, K/2]) with swizzled VEC16_UE4M3 scales of [M, K/16] and [N, K/16];
-// K % 32 == 0; alpha_beta = two device floats {alpha, 0}. workspace: kFp4GemmWorkspaceBytes.
+// d[M, N] (row-major) = alpha * a[M, K] . b[N, K]^T, a and b packed E2M1 codes ([M, K/2],
+// [N, K/2]) with swizzled VEC16_UE4M3 scales of [M, K/16] and [N, K/16]; K % 32 == 0;
+// alpha_beta = two device floats {alpha, 0}. workspace: kFp4GemmWorkspaceBytes. d is bf16
+// (one rounding of alpha * acc) or, with Fp4GemmOut::kF32, fp32 alpha * acc (what the nvfp4
+// linears' fp4 route takes, so that it adds the bias in the fake-quant route's order).
 inline constexpr size_t kFp4GemmWorkspaceBytes = size_t{32} << 20;
+enum class Fp4GemmOut { kBF16, kF32 };
 void gemm_fp4_nt(const uint8_t* a, const uint8_t* a_scales_swizzled, const uint8_t* b,
-                 const uint8_t* b_scales_swizzled, void* d_bf16, int64_t m, int64_t n, int64_t k,
-                 const float* alpha_beta, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                 const uint8_t* b_scales_swizzled, void* d, int64_t m, int64_t n, int64_t k,
+                 const float* alpha_beta, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                 Fp4GemmOut out = Fp4GemmOut::kBF16);
 
 }  // namespace vqad::kernels::fp4

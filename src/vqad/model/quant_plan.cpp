@@ -391,7 +391,9 @@ std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> make_line
     if (plan.method == QuantMethod::kNvfp4QatTrain) {
       VQAD_CHECK(e.activation_mode == ScaleMode::kDynamic, "quant plan: nvfp4_qat_train linear '", e.module,
                  "' must have a dynamic activation scale, has ", nvfp4::scale_mode_name(e.activation_mode));
-      out.emplace_back(e.module, std::make_shared<ops::Nvfp4DynamicLinear>(e.module));
+      auto lin = std::make_shared<ops::Nvfp4DynamicLinear>(e.module);
+      lin->set_gemm_route(config.gemm_route);
+      out.emplace_back(e.module, std::move(lin));
     } else if (plan.method == QuantMethod::kNvfp4Qad) {
       std::optional<float> amax;
       if (e.activation_mode == ScaleMode::kStatic) {
@@ -408,8 +410,9 @@ std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>> make_line
                "); run `vqad calibrate` and give its table (training.linear_quantization.act_amax_json)");
         }
       }
-      out.emplace_back(e.module, std::make_shared<ops::Nvfp4QadLinear>(e.module, e.activation_mode, amax,
-                                                                      config.allow_uncalibrated));
+      auto lin = std::make_shared<ops::Nvfp4QadLinear>(e.module, e.activation_mode, amax, config.allow_uncalibrated);
+      lin->set_gemm_route(config.gemm_route);
+      out.emplace_back(e.module, std::move(lin));
     } else {
       fail("quant plan: method none has no linears, but the plan lists '", e.module, "'");
     }

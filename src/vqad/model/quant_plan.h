@@ -51,6 +51,9 @@ struct QuantConfig {
   // One weight global scale (and one activation global scale) for the q/k/v of each
   // self-attention and the k/v of each cross-attention (training and packed export).
   bool shared_qkv_scale = false;
+  // The forward GEMM route every linear of the plan gets (training.linear_quantization.gemm,
+  // resolved for the role's device by the role builder; kAuto resolves per call).
+  ops::Nvfp4GemmRoute gemm_route = ops::Nvfp4GemmRoute::kFakeQuant;
 
   bool enabled() const { return method != QuantMethod::kNone; }
 };

@@ -18,7 +18,10 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "vqad/kernels/linear/nvfp4_linear_kernels.h"
+#include "vqad/kernels_fp4/nvfp4_fp4_routes.h"
 #endif
+
+#include <mutex>
 
 namespace vqad::ops {
 namespace {
@@ -138,8 +141,78 @@ torch::Tensor unit_gemm_cuda(const torch::Tensor& x, const torch::Tensor& xu, co
   return y.to(x.scalar_type()).reshape(output_shape(x, n));
 }
 
+// ---- the fp4 route (kernels_fp4/: Blackwell) -------------------------------------------
+namespace fp4k = vqad::kernels::fp4;
+
+int64_t fp4_padded_k(int64_t k) { return (k + 31) / 32 * 32; }
+// M and N are padded to multiples of 16 so that every leading dimension of the GEMM (the
+// fp32 output's rows included) is a multiple of 16 bytes, as cuBLASLt's FP4 kernels require.
+int64_t fp4_padded_rows(int64_t r) { return (r + 15) / 16 * 16; }
+
+// One GEMM operand of the fp4 route: packed E2M1 codes [Rp, Kp/2] and the 128x4-swizzled
+// E4M3 block scales of [Rp, Kp/16]. K is padded to Kp (a multiple of 32, what the GEMM takes)
+// and the rows to Rp with zero blocks (codes 0, scale 0), which add nothing to any sum.
+struct Fp4Operand {
+  torch::Tensor codes, scales_swizzled;
+};
+
+Fp4Operand fp4_operand(const torch::Tensor& codes, const torch::Tensor& scales, int64_t kp, cudaStream_t stream) {
+  const int64_t r = codes.size(0), k = codes.size(1) * 2, rows = fp4_padded_rows(r);
+  torch::Tensor c = codes, sc = scales;
+  if (kp != k || rows != r) {
+    c = torch::constant_pad_nd(codes, {0, (kp - k) / 2, 0, rows - r}, 0);
+    sc = torch::constant_pad_nd(scales, {0, (kp - k) / 16, 0, rows - r}, 0);
+  }
+  c = c.contiguous();
+  sc = sc.contiguous();
+  torch::Tensor sw = torch::empty({fp4k::swizzled_bytes(rows, kp / 16)}, sc.options());
+  fp4k::launch_swizzle_scales(sc.data_ptr<uint8_t>(), rows, kp / 16, sw.data_ptr<uint8_t>(), stream);
+  return {c, sw};
+}
+
+// bf16(t) [R, K] quantized with the encode scale *s_enc (device float) by the
+// cvt.rn.satfinite.e2m1x2.f32 quantizer: the codes and scales of the fake-quant route's
+// unit operand (spec/nvfp4.md's block recipe on the same bf16 values).
+Fp4Operand fp4_quantized_operand(const torch::Tensor& t, const float* s_enc, int64_t kp, cudaStream_t stream) {
+  const torch::Tensor tb = t.to(torch::kBFloat16).contiguous();
+  const int64_t rows = tb.size(0), k = tb.size(1);
+  const auto u8 = tb.options().dtype(torch::kUInt8);
+  torch::Tensor codes = torch::empty({rows, k / 2}, u8), scales = torch::empty({rows, k / 16}, u8);
+  fp4k::launch_quantize_e2m1x2(tb.data_ptr(), true, rows, k, s_enc, codes.data_ptr<uint8_t>(),
+                               scales.data_ptr<uint8_t>(), stream);
+  return fp4_operand(codes, scales, kp, stream);
+}
+
+// y = the block-scaled FP4 GEMM alpha * xa . wa^T in fp32, then the bias exactly as
+// unit_gemm_cpu: dynamic bf16(alpha * acc + bf16(b)); bias_after (static / unit, seeds/003)
+// bf16(bf16(alpha * acc) + bf16(b)); returned in x's dtype.
+torch::Tensor fp4_gemm(const torch::Tensor& x, const Fp4Operand& xa, const Fp4Operand& wa, int64_t m, int64_t n,
+                       int64_t kp, const torch::Tensor& bias, const float* alpha_beta, bool bias_after,
+                       cudaStream_t stream) {
+  if (m == 0) return torch::empty(output_shape(x, n), x.options());
+  const int64_t mp = xa.codes.size(0), np = wa.codes.size(0);  // padded (fp4_operand)
+  torch::Tensor acc_p = torch::empty({mp, np}, x.options().dtype(torch::kFloat32));
+  torch::Tensor workspace =
+      torch::empty({static_cast<int64_t>(fp4k::kFp4GemmWorkspaceBytes)}, x.options().dtype(torch::kUInt8));
+  fp4k::gemm_fp4_nt(xa.codes.data_ptr<uint8_t>(), xa.scales_swizzled.data_ptr<uint8_t>(), wa.codes.data_ptr<uint8_t>(),
+                    wa.scales_swizzled.data_ptr<uint8_t>(), acc_p.data_ptr(), mp, np, kp, alpha_beta,
+                    workspace.data_ptr(), fp4k::kFp4GemmWorkspaceBytes, stream, fp4k::Fp4GemmOut::kF32);
+  torch::Tensor acc = mp == m && np == n ? acc_p : acc_p.narrow(0, 0, m).narrow(1, 0, n).contiguous();
+  torch::Tensor y;
+  if (!bias_after) {
+    if (bias.defined()) acc.add_(bias.to(torch::kBFloat16).to(torch::kFloat32));
+    y = acc.to(torch::kBFloat16);
+  } else {
+    y = acc.to(torch::kBFloat16);
+    if (bias.defined())
+      y = (y.to(torch::kFloat32) + bias.to(torch::kBFloat16).to(torch::kFloat32)).to(torch::kBFloat16);
+  }
+  return y.to(x.scalar_type()).reshape(output_shape(x, n));
+}
+
 torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                           ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax) {
+                           ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax,
+                           Nvfp4GemmRoute route) {
   check_cuda_device(x, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -167,6 +240,12 @@ torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, 
   kl::launch_linear_scales(dynamic ? s + 0 : nullptr, act_s_enc, s + 1, s + 2, stream);
   // seeds/003 (static / unit): alpha = (1 / s_enc_w) / s_enc_x, IEEE fp32 on the device.
   if (!dynamic) scalars.narrow(0, 4, 1).copy_(scalars.narrow(0, 3, 1).reciprocal().div(scalars.narrow(0, 2, 1)));
+  if (route == Nvfp4GemmRoute::kFp4) {
+    const int64_t kp = fp4_padded_k(k);
+    const Fp4Operand xa = fp4_quantized_operand(x2, s + 2, kp, stream);
+    const Fp4Operand wa = fp4_quantized_operand(w2, s + 3, kp, stream);
+    return fp4_gemm(x, xa, wa, m, n, kp, bias, s + 4, !dynamic, stream);
+  }
   const auto bf16 = x.options().dtype(torch::kBFloat16);
   torch::Tensor xu = torch::empty({m, k}, bf16);
   torch::Tensor wu = torch::empty({n, k}, bf16);
@@ -180,7 +259,8 @@ torch::Tensor forward_cuda(const torch::Tensor& x, const torch::Tensor& weight, 
 // GEMM run exactly as in forward_cuda, and alpha = (1 / s_enc_x) * w_dec is the same
 // product forward_cuda's scale kernel forms from the dynamic weight scale.
 torch::Tensor forward_cuda_unit_weight(const torch::Tensor& x, const torch::Tensor& wu, float w_dec,
-                                       const torch::Tensor& bias, ScaleMode act_mode, float act_amax) {
+                                       const torch::Tensor& bias, ScaleMode act_mode, float act_amax,
+                                       Nvfp4GemmRoute route, const Nvfp4WeightCodes* codes) {
   check_cuda_device(x, wu);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t k = wu.size(1);
@@ -206,17 +286,28 @@ torch::Tensor forward_cuda_unit_weight(const torch::Tensor& x, const torch::Tens
   } else {
     scalars.narrow(0, 4, 1).copy_(torch::full_like(scalars.narrow(0, 2, 1), w_dec).div(scalars.narrow(0, 2, 1)));
   }
+  if (route == Nvfp4GemmRoute::kFp4) {
+    const int64_t kp = fp4_padded_k(k);
+    Nvfp4WeightCodes recovered;
+    if (!codes) recovered = nvfp4_codes_from_unit_weight(wu.to(torch::kCPU));
+    const Nvfp4WeightCodes& wc = codes ? *codes : recovered;
+    const Fp4Operand wa = fp4_operand(wc.codes.to(x.device()), wc.scales.to(x.device()), kp, stream);
+    const Fp4Operand xa = fp4_quantized_operand(x2, s + 2, kp, stream);
+    return fp4_gemm(x, xa, wa, m, wu.size(0), kp, bias, s + 4, !dynamic, stream);
+  }
   torch::Tensor xu = torch::empty({m, k}, x.options().dtype(torch::kBFloat16));
   kl::launch_unit_operand(x2.data_ptr(), elem_type(x2), m, k, s + 2, xu.data_ptr(), stream);
   return unit_gemm_cuda(x, xu, aligned(wu.to(torch::kBFloat16)), bias, s + 4, stream, !dynamic);
 }
 #endif
 
+// `route` already resolved for x's device (kFakeQuant or kFp4; kFp4 only where it runs).
 torch::Tensor forward_any(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                          ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax) {
+                          ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax,
+                          Nvfp4GemmRoute route) {
   if (x.device().is_cpu()) return forward_cpu(x, weight, bias, act_mode, act_amax, weight_amax);
 #ifdef VQAD_WITH_TORCH_CUDA
-  if (x.device().is_cuda()) return forward_cuda(x, weight, bias, act_mode, act_amax, weight_amax);
+  if (x.device().is_cuda()) return forward_cuda(x, weight, bias, act_mode, act_amax, weight_amax, route);
 #endif
   fail("nvfp4_linear: no NVFP4 linear for device ", x.device(), " in this build (x ", shape_str(x), ", weight ",
        shape_str(weight), ")");
@@ -248,27 +339,29 @@ struct WeightAmaxArg {
 // has no device, so the bias-free linear is a Function of its own.
 struct Nvfp4LinearBiasFunction : public torch::autograd::Function<Nvfp4LinearBiasFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
-                               const torch::Tensor& bias, int64_t act_mode, double act_amax, WeightAmaxArg wa) {
+                               const torch::Tensor& bias, int64_t act_mode, double act_amax, WeightAmaxArg wa,
+                               int64_t route) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["bias_dtype"] = bias.scalar_type();
-    return forward_any(x, weight, bias, static_cast<ScaleMode>(act_mode), static_cast<float>(act_amax), wa.amax);
+    return forward_any(x, weight, bias, static_cast<ScaleMode>(act_mode), static_cast<float>(act_amax), wa.amax,
+                       static_cast<Nvfp4GemmRoute>(route));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list g = linear_backward(ctx, grads[0], true);
-    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 struct Nvfp4LinearNoBiasFunction : public torch::autograd::Function<Nvfp4LinearNoBiasFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
-                               int64_t act_mode, double act_amax, WeightAmaxArg wa) {
+                               int64_t act_mode, double act_amax, WeightAmaxArg wa, int64_t route) {
     ctx->save_for_backward({x, weight});
     return forward_any(x, weight, torch::Tensor(), static_cast<ScaleMode>(act_mode), static_cast<float>(act_amax),
-                       wa.amax);
+                       wa.amax, static_cast<Nvfp4GemmRoute>(route));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list g = linear_backward(ctx, grads[0], false);
-    return {g[0], g[1], torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {g[0], g[1], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -279,6 +372,11 @@ std::string format_amax(float v) {
   return os.str();
 }
 
+// The describe() suffix of a linear's GEMM route; none for the default fake_quant.
+std::string route_suffix(Nvfp4GemmRoute r) {
+  return r == Nvfp4GemmRoute::kFakeQuant ? std::string() : std::string(" gemm:") + nvfp4_gemm_route_name(r);
+}
+
 }  // namespace
 
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
@@ -287,8 +385,10 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight, 
 }
 
 torch::Tensor nvfp4_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                           nvfp4::ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax) {
+                           nvfp4::ScaleMode act_mode, float act_amax, const torch::Tensor& weight_amax,
+                           Nvfp4GemmRoute route) {
   check_linear_args(x, weight, bias);
+  const int64_t r = static_cast<int64_t>(resolve_nvfp4_gemm_route(route, x.device(), "nvfp4_linear"));
   if (act_mode != ScaleMode::kDynamic) fixed_activation_scale(act_mode, act_amax, "nvfp4_linear");
   if (weight_amax.defined()) {
     VQAD_CHECK(weight_amax.numel() == 1 && weight_amax.scalar_type() == torch::kFloat32 &&
@@ -299,10 +399,10 @@ torch::Tensor nvfp4_linear(const torch::Tensor& x, const torch::Tensor& weight, 
   const WeightAmaxArg wa{weight_amax.defined() ? weight_amax.detach() : torch::Tensor()};
   if (bias.defined()) {
     return Nvfp4LinearBiasFunction::apply(x, weight, bias, static_cast<int64_t>(act_mode),
-                                          static_cast<double>(act_amax), wa);
+                                          static_cast<double>(act_amax), wa, r);
   }
   return Nvfp4LinearNoBiasFunction::apply(x, weight, static_cast<int64_t>(act_mode), static_cast<double>(act_amax),
-                                          wa);
+                                          wa, r);
 }
 
 float static_activation_encode_scale(float amax) {
@@ -339,14 +439,16 @@ torch::Tensor WeightScaleGroup::amax() const {
 }
 
 torch::Tensor nvfp4_linear_unit_weight(const torch::Tensor& x, const torch::Tensor& wu, float w_dec,
-                                       const torch::Tensor& bias, nvfp4::ScaleMode act_mode, float act_amax) {
+                                       const torch::Tensor& bias, nvfp4::ScaleMode act_mode, float act_amax,
+                                       Nvfp4GemmRoute route, const Nvfp4WeightCodes* codes) {
   check_linear_args(x, wu, bias);
   if (act_mode != ScaleMode::kDynamic) fixed_activation_scale(act_mode, act_amax, "nvfp4_linear_unit_weight");
   VQAD_CHECK(std::isfinite(w_dec) && w_dec > 0.0f, "nvfp4_linear_unit_weight: weight decode scale must be positive "
              "and finite, got ", w_dec);
+  [[maybe_unused]] const Nvfp4GemmRoute r = resolve_nvfp4_gemm_route(route, x.device(), "nvfp4_linear_unit_weight");
   if (x.device().is_cpu()) return unit_gemm_cpu(x, wu.to(torch::kFloat32), w_dec, bias, act_mode, act_amax);
 #ifdef VQAD_WITH_TORCH_CUDA
-  if (x.device().is_cuda()) return forward_cuda_unit_weight(x, wu, w_dec, bias, act_mode, act_amax);
+  if (x.device().is_cuda()) return forward_cuda_unit_weight(x, wu, w_dec, bias, act_mode, act_amax, r, codes);
 #endif
   fail("nvfp4_linear_unit_weight: no NVFP4 linear for device ", x.device(), " in this build (x ", shape_str(x),
        ", weight ", shape_str(wu), ")");
@@ -434,12 +536,12 @@ torch::Tensor bf16_amax_cuda(const torch::Tensor& x) {
 // --- Nvfp4DynamicLinear ------------------------------------------------------------------
 torch::Tensor Nvfp4DynamicLinear::forward(const torch::Tensor& x, const torch::Tensor& weight,
                                           const torch::Tensor& bias) {
-  return nvfp4_linear(x, weight, bias, ScaleMode::kDynamic, 0.0f, group_ ? group_->amax() : torch::Tensor());
+  return nvfp4_linear(x, weight, bias, ScaleMode::kDynamic, 0.0f, group_ ? group_->amax() : torch::Tensor(), route_);
 }
 
 std::string Nvfp4DynamicLinear::describe() const {
   return std::string("nvfp4 W:dynamic") + (group_ ? "(shared " + group_->name() + ")" : std::string()) +
-         " A:dynamic";
+         " A:dynamic" + route_suffix(route_);
 }
 
 // --- Nvfp4QadLinear ----------------------------------------------------------------------
@@ -493,9 +595,9 @@ torch::Tensor Nvfp4QadLinear::forward(const torch::Tensor& x, const torch::Tenso
                "': static activation scale used before calibration (run a CalibrationScope or load an amax "
                "table)");
     return nvfp4_linear(x, weight, bias, ScaleMode::kStatic, *input_amax_,
-                        group_ ? group_->amax() : torch::Tensor());
+                        group_ ? group_->amax() : torch::Tensor(), route_);
   }
-  return nvfp4_linear(x, weight, bias, ScaleMode::kUnit, 0.0f, group_ ? group_->amax() : torch::Tensor());
+  return nvfp4_linear(x, weight, bias, ScaleMode::kUnit, 0.0f, group_ ? group_->amax() : torch::Tensor(), route_);
 }
 
 std::string Nvfp4QadLinear::describe() const {
@@ -504,7 +606,7 @@ std::string Nvfp4QadLinear::describe() const {
     a += input_amax_ ? "(amax=" + format_amax(*input_amax_) + ")" : std::string("(uncalibrated)");
   }
   return std::string("nvfp4-qad W:dynamic") + (group_ ? "(shared " + group_->name() + ")" : std::string()) +
-         " A:" + a + (enabled_ ? "" : " [disabled]");
+         " A:" + a + route_suffix(route_) + (enabled_ ? "" : " [disabled]");
 }
 
 // --- Nvfp4PackedLinear ----------------------------------------------------------------------
@@ -527,16 +629,165 @@ torch::Tensor Nvfp4PackedLinear::forward(const torch::Tensor& x, const torch::Te
              "from a packed export use it as init_from");
   VQAD_CHECK(!weight.defined() || weight.sizes() == unit_weight_.sizes(), "packed NVFP4 linear '", name_,
              "': model weight ", shape_str(weight), " does not match the packed weight ", shape_str(unit_weight_));
-  if (x.device().is_cpu()) return nvfp4_linear_unit_weight(x, unit_weight_, w_dec_, bias, act_mode_, act_amax_);
+  if (x.device().is_cpu())
+    return nvfp4_linear_unit_weight(x, unit_weight_, w_dec_, bias, act_mode_, act_amax_, route_);
   if (!device_copy_.defined() || device_copy_.device() != x.device())
     device_copy_ = unit_weight_.to(x.device(), torch::kBFloat16).contiguous();
-  return nvfp4_linear_unit_weight(x, device_copy_, w_dec_, bias, act_mode_, act_amax_);
+  if (resolve_nvfp4_gemm_route(route_, x.device(), name_) == Nvfp4GemmRoute::kFp4) {
+    if (!device_codes_.codes.defined() || device_codes_.codes.device() != x.device()) {
+      const Nvfp4WeightCodes c = nvfp4_codes_from_unit_weight(unit_weight_);
+      device_codes_ = {c.codes.to(x.device()), c.scales.to(x.device())};
+    }
+    return nvfp4_linear_unit_weight(x, device_copy_, w_dec_, bias, act_mode_, act_amax_, Nvfp4GemmRoute::kFp4,
+                                    &device_codes_);
+  }
+  return nvfp4_linear_unit_weight(x, device_copy_, w_dec_, bias, act_mode_, act_amax_, Nvfp4GemmRoute::kFakeQuant);
 }
 
 std::string Nvfp4PackedLinear::describe() const {
   std::string a = nvfp4::scale_mode_name(act_mode_);
   if (act_mode_ == ScaleMode::kStatic) a += "(amax=" + format_amax(act_amax_) + ")";
-  return "nvfp4-packed W:stored(weight_scale_2=" + format_amax(w_dec_) + ") A:" + a;
+  return "nvfp4-packed W:stored(weight_scale_2=" + format_amax(w_dec_) + ") A:" + a + route_suffix(route_);
+}
+
+// --- GEMM routes ----------------------------------------------------------------------------
+const char* nvfp4_gemm_route_name(Nvfp4GemmRoute r) {
+  switch (r) {
+    case Nvfp4GemmRoute::kFakeQuant: return "fake_quant";
+    case Nvfp4GemmRoute::kFp4: return "fp4";
+    case Nvfp4GemmRoute::kAuto: return "auto";
+  }
+  return "?";
+}
+
+Nvfp4GemmRoute parse_nvfp4_gemm_route(const std::string& value, const std::string& where) {
+  if (value == "auto") return Nvfp4GemmRoute::kAuto;
+  if (value == "fake_quant") return Nvfp4GemmRoute::kFakeQuant;
+  if (value == "fp4") return Nvfp4GemmRoute::kFp4;
+  fail(where, ": unknown NVFP4 GEMM route '", value, "' (valid: auto, fake_quant, fp4)");
+}
+
+bool nvfp4_fp4_route_available(const torch::Device& device, std::string* why) {
+  auto set = [&](std::string w) {
+    if (why) *why = std::move(w);
+    return false;
+  };
+  if (!device.is_cuda())
+    return set("device " + device.str() + " is not a GPU (the fp4 route needs FP4 tensor cores: sm_100 or sm_120)");
+#ifdef VQAD_WITH_TORCH_CUDA
+  // Device properties cannot change: one probe per device.
+  static std::mutex mu;
+  static std::map<int, std::pair<bool, std::string>> cache;
+  const int index = device.has_index() ? device.index() : static_cast<int>(c10::cuda::current_device());
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(index);
+  if (it == cache.end()) {
+    std::string w;
+    const bool ok = fp4k::fp4_routes_available(index, &w);
+    it = cache.emplace(index, std::make_pair(ok, w)).first;
+  }
+  if (!it->second.first) return set(it->second.second);
+  if (why) why->clear();
+  return true;
+#else
+  return set("this build of vqad has no CUDA LibTorch (the fp4 route runs on a GPU build)");
+#endif
+}
+
+Nvfp4GemmRoute resolve_nvfp4_gemm_route(Nvfp4GemmRoute requested, const torch::Device& device,
+                                        const std::string& where) {
+  if (requested == Nvfp4GemmRoute::kFakeQuant) return requested;
+  std::string why;
+  const bool fp4 = nvfp4_fp4_route_available(device, &why);
+  if (requested == Nvfp4GemmRoute::kAuto) return fp4 ? Nvfp4GemmRoute::kFp4 : Nvfp4GemmRoute::kFakeQuant;
+  VQAD_CHECK(fp4, where, ": the fp4 GEMM route needs a GPU with FP4 tensor cores, but ", why,
+             "; use fake_quant (or auto) here");
+  return Nvfp4GemmRoute::kFp4;
+}
+
+Nvfp4WeightCodes nvfp4_codes_from_unit_weight(const torch::Tensor& wu) {
+  VQAD_CHECK(wu.defined() && wu.dim() == 2 && wu.size(1) % nvfp4::kBlock == 0,
+             "nvfp4_codes_from_unit_weight: expected [N, K % 16 == 0], got ",
+             wu.defined() ? shape_str(wu) : std::string("undefined"));
+  const torch::Tensor v = wu.to(torch::kCPU, torch::kFloat32).contiguous();
+  const int64_t rows = v.size(0), k = v.size(1), kb = k / nvfp4::kBlock;
+  torch::Tensor codes = torch::empty({rows, k / 2}, torch::kUInt8), scales = torch::empty({rows, kb}, torch::kUInt8);
+  const float* src = v.data_ptr<float>();
+  uint8_t* pc = codes.data_ptr<uint8_t>();
+  uint8_t* ps = scales.data_ptr<uint8_t>();
+  static const float kGrid[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  std::vector<int64_t> bad(static_cast<size_t>(at::get_num_threads()) + 1, -1);
+  at::parallel_for(0, rows * kb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* x = src + b * nvfp4::kBlock;
+      float m = 0.0f;
+      bool finite = true;
+      for (int i = 0; i < nvfp4::kBlock; ++i) {
+        finite = finite && std::isfinite(x[i]);
+        m = std::fmax(m, std::fabs(x[i]));
+      }
+      uint8_t c[nvfp4::kBlock] = {};
+      uint8_t sbits = 0;
+      bool ok = finite;
+      if (ok && m > 0.0f) {
+        // S = m / g for the largest code value g of the block: try each grid value as that code.
+        ok = false;
+        for (int g = 7; g >= 1 && !ok; --g) {
+          const float S = m / kGrid[g];
+          const uint8_t bits = nvfp4::e4m3_encode_rn_satfinite(S);
+          if (nvfp4::e4m3_decode(bits) != S) continue;
+          bool all = true;
+          for (int i = 0; i < nvfp4::kBlock && all; ++i) {
+            const float a = std::fabs(x[i]);
+            int code = -1;
+            for (int q = 0; q < 8; ++q)
+              if (kGrid[q] * S == a) code = q;
+            all = code >= 0;
+            c[i] = static_cast<uint8_t>((code < 0 ? 0 : code) | (std::signbit(x[i]) ? 8 : 0));
+          }
+          if (all) {
+            ok = true;
+            sbits = bits;
+          }
+        }
+      }
+      if (!ok) {
+        bad[at::get_thread_num()] = b;
+        continue;
+      }
+      ps[b] = sbits;
+      for (int i = 0; i < nvfp4::kBlock / 2; ++i) pc[b * 8 + i] = static_cast<uint8_t>(c[2 * i] | (c[2 * i + 1] << 4));
+    }
+  });
+  for (int64_t b : bad)
+    VQAD_CHECK(b < 0, "nvfp4_codes_from_unit_weight: weight ", shape_str(wu), " row ", b / kb, " block ", b % kb,
+               " (columns ", (b % kb) * 16, "..", (b % kb) * 16 + 15, ") is not an NVFP4 value e2m1 * S");
+  return {codes, scales};
+}
+
+std::optional<Nvfp4GemmRoute> gemm_route_of(const LinearQuant& quant) {
+  if (auto* d = dynamic_cast<const Nvfp4DynamicLinear*>(&quant)) return d->gemm_route();
+  if (auto* q = dynamic_cast<const Nvfp4QadLinear*>(&quant)) return q->gemm_route();
+  if (auto* p = dynamic_cast<const Nvfp4PackedLinear*>(&quant)) return p->gemm_route();
+  return std::nullopt;
+}
+
+size_t set_nvfp4_gemm_route(const std::vector<std::pair<std::string, std::shared_ptr<LinearQuant>>>& quants,
+                            Nvfp4GemmRoute route) {
+  size_t n = 0;
+  for (const auto& [name, q] : quants) {
+    if (auto d = std::dynamic_pointer_cast<Nvfp4DynamicLinear>(q)) {
+      d->set_gemm_route(route);
+    } else if (auto l = std::dynamic_pointer_cast<Nvfp4QadLinear>(q)) {
+      l->set_gemm_route(route);
+    } else if (auto p = std::dynamic_pointer_cast<Nvfp4PackedLinear>(q)) {
+      p->set_gemm_route(route);
+    } else {
+      continue;
+    }
+    ++n;
+  }
+  return n;
 }
 
 void set_qad_enabled(const std::vector<std::shared_ptr<Nvfp4QadLinear>>& layers, bool enabled) {

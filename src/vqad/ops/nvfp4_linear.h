@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "vqad/numerics/nvfp4.h"
@@ -43,6 +44,17 @@ namespace vqad::ops {
 // unquantized model::Linear computes for them to be bit-identical.
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 
+// ---- the forward GEMM route ---------------------------------------------------------
+// kFakeQuant: the unit-scaled dequantized operands through a BF16 GEMM (CPU: torch mm; GPU:
+//   kernels/linear + cuBLASLt) - every device, the reference numbers.
+// kFp4: on a GPU with FP4 tensor cores (sm_100 / sm_120), X and W quantized to E2M1 codes
+//   and E4M3 block scales by the cvt.rn.satfinite.e2m1x2.f32 quantizer and multiplied by
+//   cuBLASLt's block-scaled FP4 GEMM (kernels_fp4/), alpha as in kFakeQuant, fp32 output,
+//   then the bias in the same order as kFakeQuant. Same codes and scales, so it differs from
+//   kFakeQuant only by the GEMM's fp32 summation order.
+// kAuto: kFp4 where the device has it, kFakeQuant elsewhere (CPU, sm_90).
+enum class Nvfp4GemmRoute { kFakeQuant = 0, kFp4 = 1, kAuto = 2 };
+
 // y = NVFP4 linear (see above) with STE backward. Activation scale:
 //   kDynamic: s_enc = 2688 / amax(bf16(x)) recomputed on this call;
 //   kStatic:  s_enc = 2688 / act_amax (act_amax > 0, e.g. calibrated);
@@ -54,9 +66,25 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight, 
 // weight_amax, when defined, replaces amax(bf16(W)) in the weight scale (a 0-d or 1-element
 // fp32 tensor on x's device): the shared global scale of a group of linears
 // (linear_quantization.shared_qkv_scale), the max over the group's weights.
+//
+// route picks the forward's GEMM (kAuto resolved for x's device); the backward is the same
+// for every route.
 torch::Tensor nvfp4_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                            nvfp4::ScaleMode act_mode, float act_amax = 0.0f,
-                           const torch::Tensor& weight_amax = torch::Tensor());
+                           const torch::Tensor& weight_amax = torch::Tensor(),
+                           Nvfp4GemmRoute route = Nvfp4GemmRoute::kFakeQuant);
+
+const char* nvfp4_gemm_route_name(Nvfp4GemmRoute r);  // "fake_quant" | "fp4" | "auto"
+// "auto" | "fake_quant" | "fp4"; anything else is an error naming `where`.
+Nvfp4GemmRoute parse_nvfp4_gemm_route(const std::string& value, const std::string& where);
+// Whether the fp4 route runs on `device` (a GPU with FP4 tensor cores, in a build that holds
+// the routes); on false *why names the device, its capability and what is missing.
+bool nvfp4_fp4_route_available(const torch::Device& device, std::string* why = nullptr);
+// The route the linears run on `device` for `requested`: auto -> fp4 or fake_quant;
+// fake_quant -> fake_quant; fp4 -> fp4, or a one-line error "<where>: fp4 ... <why>" where
+// the device cannot run it. Never kAuto.
+Nvfp4GemmRoute resolve_nvfp4_gemm_route(Nvfp4GemmRoute requested, const torch::Device& device,
+                                        const std::string& where);
 
 // ---- building blocks (also used by tests and the benchmark) -------------------------
 // max |v| over the values of t after rounding to BF16; NaN elements are ignored (a NaN
@@ -104,10 +132,14 @@ class Nvfp4DynamicLinear : public LinearQuant {
   const std::string& name() const { return name_; }
   void set_weight_scale_group(std::shared_ptr<WeightScaleGroup> g) { group_ = std::move(g); }
   const std::shared_ptr<WeightScaleGroup>& weight_scale_group() const { return group_; }
+  // The forward GEMM route (default fake_quant); auto resolves on every call for x's device.
+  void set_gemm_route(Nvfp4GemmRoute r) { route_ = r; }
+  Nvfp4GemmRoute gemm_route() const { return route_; }
 
  private:
   std::string name_;
   std::shared_ptr<WeightScaleGroup> group_;
+  Nvfp4GemmRoute route_ = Nvfp4GemmRoute::kFakeQuant;
 };
 
 // The QAD linear method: weight dynamic (RTN from the current master weight);
@@ -132,6 +164,9 @@ class Nvfp4QadLinear : public LinearQuant {
   void set_enabled(bool on) { enabled_ = on; }
   void set_weight_scale_group(std::shared_ptr<WeightScaleGroup> g) { group_ = std::move(g); }
   const std::shared_ptr<WeightScaleGroup>& weight_scale_group() const { return group_; }
+  // The forward GEMM route (default fake_quant); calibrating and disabled linears run dense.
+  void set_gemm_route(Nvfp4GemmRoute r) { route_ = r; }
+  Nvfp4GemmRoute gemm_route() const { return route_; }
 
   // Used by CalibrationScope.
   bool calibrating() const { return calibrating_; }
@@ -146,10 +181,17 @@ class Nvfp4QadLinear : public LinearQuant {
   bool enabled_ = true;
   bool calibrating_ = false;
   std::shared_ptr<WeightScaleGroup> group_;
+  Nvfp4GemmRoute route_ = Nvfp4GemmRoute::kFakeQuant;
   torch::Tensor observed_amax_;  // fp32 scalar on the activation's device, undefined until seen
 };
 
 void set_qad_enabled(const std::vector<std::shared_ptr<Nvfp4QadLinear>>& layers, bool enabled);
+
+// Sets the forward GEMM route of every NVFP4 linear (dynamic, QAD, packed) among `quants`;
+// returns how many it set. gemm_route_of: the route of one (nullopt for other LinearQuants).
+size_t set_nvfp4_gemm_route(const std::vector<std::pair<std::string, std::shared_ptr<LinearQuant>>>& quants,
+                            Nvfp4GemmRoute route);
+std::optional<Nvfp4GemmRoute> gemm_route_of(const LinearQuant& quant);
 
 // In-place MAX all-reduce of a 1-D fp32 CPU tensor over every rank.
 using AmaxReducer = std::function<void(torch::Tensor& maxima)>;

@@ -186,6 +186,15 @@ nlohmann::json linear_quant_json(const Role& r) {
       calibrated = calibrated && (l->activation_mode() != nvfp4::ScaleMode::kStatic || l->input_amax().has_value());
     if (calibrated) j["input_amax"] = model::export_amax_table(layers);
   }
+  // The forward GEMM route the role was built with (training.linear_quantization.gemm resolved
+  // for its device).
+  j["gemm_route"] = ops::nvfp4_gemm_route_name(r.quant_config.gemm_route);
+  if (r.quant_config.gemm_route == ops::Nvfp4GemmRoute::kFp4)
+    j["forward"] = std::string("E2M1 codes and E4M3 block scales (cvt.rn.satfinite.e2m1x2.f32) through cuBLASLt's "
+                               "block-scaled FP4 GEMM with the global-scale alpha, fp32 output, then the bias in the "
+                               "fake-quant route's order; ") +
+                   (qad ? "alpha = (1/w_sf)/input_sf, BF16 output + bias in BF16 (seeds/003's order)"
+                        : "one BF16 rounding of alpha * acc + bias");
   if (r.plan.shared_qkv_scale) {
     nlohmann::json groups = nlohmann::json::object();
     for (const auto& [g, members] : model::shared_scale_groups(r.plan)) groups[g] = members;

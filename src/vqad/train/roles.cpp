@@ -67,6 +67,7 @@ model::QuantConfig role_quant_config(const RunConfig& run, const std::string& ro
   qc.quantize_gate = lq.quantize_gate;
   qc.skip_blocks = lq.skip_blocks;
   qc.shared_qkv_scale = lq.shared_qkv_scale;
+  qc.gemm_route = ops::parse_nvfp4_gemm_route(lq.gemm, "training.linear_quantization.gemm");
   return qc;
 }
 
@@ -202,6 +203,20 @@ static std::shared_ptr<Role> build_role_impl(const RunConfig& run, const std::st
   role->quant_config = role_quant_config(run, role_name);
   if (role->quant_config.enabled()) {
     role->quant_config.allow_uncalibrated = allow_uncalibrated;
+    // The forward GEMM route for the role's device, once: fp4 where it cannot run is refused here.
+    const ops::Nvfp4GemmRoute requested = role->quant_config.gemm_route;
+    role->quant_config.gemm_route =
+        ops::resolve_nvfp4_gemm_route(requested, options.device, "training.linear_quantization.gemm");
+    std::string why;
+    if (role->quant_config.gemm_route == ops::Nvfp4GemmRoute::kFp4) {
+      why = "FP4 tensor cores on " + options.device.str();
+    } else if (requested == ops::Nvfp4GemmRoute::kAuto) {
+      ops::nvfp4_fp4_route_available(options.device, &why);
+    } else {
+      why = "as configured";
+    }
+    log::info(key, ": NVFP4 linear forward GEMM route ", ops::nvfp4_gemm_route_name(role->quant_config.gemm_route),
+              " (training.linear_quantization.gemm ", ops::nvfp4_gemm_route_name(requested), "; ", why, ")");
     std::map<std::string, float> table;
     if (!role->quant_config.act_amax_json.empty()) {
       VQAD_CHECK(fs::is_regular_file(role->quant_config.act_amax_json), "training.linear_quantization.act_amax_json: '",

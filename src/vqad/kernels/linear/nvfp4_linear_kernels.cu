@@ -5,11 +5,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
+#include "vqad/kernels/common/cublaslt.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
 #include "vqad/kernels/linear/nvfp4_linear_kernels.h"
@@ -17,6 +16,8 @@
 namespace vqad::kernels::linear {
 namespace {
 
+constexpr const char* kGemmWhat = "nvfp4 linear BF16 GEMM";
+#define LT_CHECK_GEMM(expr) VQAD_LT_CHECK(kGemmWhat, expr)
 constexpr float kGlobalAmaxTarget = 2688.0f;  // 448 * 6
 constexpr int kThreads = 256;
 
@@ -199,39 +200,6 @@ void check_aligned(const void* p, size_t bytes, const char* what) {
   }
 }
 
-// --- cuBLASLt ---------------------------------------------------------------------
-void lt_check(cublasStatus_t st, const char* op) {
-  if (st != CUBLAS_STATUS_SUCCESS) {
-    throw std::runtime_error(std::string("cuBLASLt error in ") + op + ": status " + std::to_string(int(st)));
-  }
-}
-#define VQAD_LT_CHECK(expr) lt_check((expr), #expr)
-
-cublasLtHandle_t lt_handle() {
-  static std::mutex mu;
-  static std::vector<cublasLtHandle_t> handles;
-  int device = 0;
-  VQAD_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  if (handles.size() <= size_t(device)) handles.resize(device + 1, nullptr);
-  if (!handles[device]) VQAD_LT_CHECK(cublasLtCreate(&handles[device]));
-  return handles[device];
-}
-
-// Owns the cuBLASLt descriptors of one call.
-struct LtDescs {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~LtDescs() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
 }  // namespace
 
 bool kernels_available(int device, std::string* why) {
@@ -319,40 +287,40 @@ void gemm_bf16_nt(const void* a, const void* b, const void* bias, void* d, int64
   // Row-major d[M,N] is column-major d^T[N,M] = b[N,K] . a[M,K]^T; in cuBLASLt terms
   // A := b (column-major K x N, transposed), B := a (column-major K x M). The bias
   // epilogue adds a vector of length rows(D) = N, i.e. bias[n] along d's columns.
-  cublasLtHandle_t handle = lt_handle();
+  cublasLtHandle_t handle = cublaslt_handle();
   LtDescs desc;
-  VQAD_LT_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  LT_CHECK_GEMM(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-  VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
-  VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
   const cublasLtPointerMode_t pointer_mode = CUBLASLT_POINTER_MODE_DEVICE;
-  VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode,
+  LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode,
                                                sizeof(pointer_mode)));
   if (bias && !stage) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    VQAD_LT_CHECK(
+    LT_CHECK_GEMM(
         cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-    VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
     const cudaDataType_t bias_type = CUDA_R_16BF;
-    VQAD_LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+    LT_CHECK_GEMM(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
                                                  sizeof(bias_type)));
   }
   const cudaDataType_t d_type = stage ? CUDA_R_32F : CUDA_R_16BF;
-  VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, uint64_t(k), uint64_t(n), k));
-  VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, uint64_t(k), uint64_t(m), k));
-  VQAD_LT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, d_type, uint64_t(n), uint64_t(m), n));
-  VQAD_LT_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
-  VQAD_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+  LT_CHECK_GEMM(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, uint64_t(k), uint64_t(n), k));
+  LT_CHECK_GEMM(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, uint64_t(k), uint64_t(m), k));
+  LT_CHECK_GEMM(cublasLtMatrixLayoutCreate(&desc.d, d_type, uint64_t(n), uint64_t(m), n));
+  LT_CHECK_GEMM(cublasLtMatmulPreferenceCreate(&desc.pref));
+  LT_CHECK_GEMM(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                      &lt_workspace_bytes, sizeof(lt_workspace_bytes)));
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  VQAD_LT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
+  LT_CHECK_GEMM(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
                                                &heuristic, &found));
   if (found == 0) {
     throw std::runtime_error("nvfp4 linear: cuBLASLt found no BF16 GEMM algorithm for M=" + std::to_string(m) +
                              " N=" + std::to_string(n) + " K=" + std::to_string(k));
   }
-  VQAD_LT_CHECK(cublasLtMatmul(handle, desc.op, alpha_beta, b, desc.a, a, desc.b, alpha_beta + 1, d_gemm, desc.d,
+  LT_CHECK_GEMM(cublasLtMatmul(handle, desc.op, alpha_beta, b, desc.a, a, desc.b, alpha_beta + 1, d_gemm, desc.d,
                                d_gemm, desc.d, &heuristic.algo, workspace, lt_workspace_bytes, stream));
   if (stage) {
     const dim3 grid(unsigned((n + kThreads - 1) / kThreads), unsigned(std::min<int64_t>(m, 4096)));
