@@ -499,7 +499,7 @@ void launch_tile(const VsaConfig& c, RasterIn src, void* dst_tiled, bool quantiz
 
 size_t vsa_forward_workspace_bytes(const VsaConfig& c) {
   const Sizes s = sizes_of(c);
-  return align256(s.tiled_bf16) + align256(s.square * 4);
+  return align256(s.tiled_bf16) + align256(s.square * 4) + align256(fine_forward_scratch_bytes(c));
 }
 
 void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t stream) {
@@ -519,6 +519,7 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   uint8_t* cur = static_cast<uint8_t*>(a.workspace);
   void* o_fine = carve<uint8_t>(cur, s.tiled_bf16);
   float* scores = carve<float>(cur, s.square * 4);
+  void* fine_scratch = carve<uint8_t>(cur, fine_forward_scratch_bytes(c));
   const int H = c.heads, nc = c.tiling.num_cubes;
   const int cube_slots = c.tiling.blocks_per_cube * kBT;
   const dim3 cube_grid(static_cast<unsigned>(nc), static_cast<unsigned>(H), static_cast<unsigned>(c.batch));
@@ -553,7 +554,7 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   }
   // 4. fine stage (o_fine: quantized-P path; o_fine_hp saved)
   launch_fine_forward(c, a.tiled_q, a.tiled_k, a.tiled_v, a.sel_index, a.sel_count, o_fine, a.o_fine_hp, a.m, a.l,
-                      stream);
+                      fine_scratch, stream);
   // 5. out = bf16(out_c * gate + o_fine)
   const int64_t total = static_cast<int64_t>(c.batch) * c.tiling.len * H * (kD / 8);
   combine_kernel<<<grid_for(total, 256), 256, 0, stream>>>(
