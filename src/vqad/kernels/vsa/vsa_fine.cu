@@ -862,5 +862,81 @@ void launch_fine_dq(const VsaConfig& c, const void* tiled_q, const void* tiled_k
   VQAD_CUDA_CHECK_LAUNCH("vsa fine_dq_kernel");
 }
 
+size_t fine_backward_scratch_bytes(const VsaConfig& c) {
+  if (vsa_fine_forward_kernel(c.tiling.blocks_per_cube) != VsaFineForward::kWgmmaPairs) return 0;
+  const size_t rows = static_cast<size_t>(c.batch) * c.heads * c.tiling.num_cubes;
+  const size_t bpc = c.tiling.blocks_per_cube;
+  auto a256 = [](size_t x) { return (x + 255) / 256 * 256; };
+  return a256(rows * c.topk * bpc * 4) + a256(rows * static_cast<size_t>(c.tiling.num_cubes) * bpc * 4) +
+         2 * a256(rows * 4);
+}
+
+void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
+                           const void* d_o_tiled, const void* stats, const int32_t* sel_index,
+                           const int32_t* sel_count, const int32_t* inv_index, const int32_t* inv_count,
+                           void* dq_tiled, void* dk_tiled, void* dv_tiled, void* scratch, cudaStream_t stream) {
+  VQAD_CHECK(vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs,
+             "vsa fine backward (wgmma): only for 2 physical blocks per cube (", shape_str(c), ")");
+  VQAD_CHECK(scratch != nullptr && reinterpret_cast<uintptr_t>(scratch) % 256 == 0,
+             "vsa fine backward: a 256-byte aligned scratch of ", fine_backward_scratch_bytes(c),
+             " bytes is required (", shape_str(c), ")");
+  const int64_t rows = static_cast<int64_t>(c.batch) * c.heads * c.tiling.num_cubes;
+  const int bpc = c.tiling.blocks_per_cube, nc = c.tiling.num_cubes;
+  auto a256 = [](size_t x) { return (x + 255) / 256 * 256; };
+  uint8_t* cur = static_cast<uint8_t*>(scratch);
+  int32_t* kv_entries = reinterpret_cast<int32_t*>(cur);
+  cur += a256(static_cast<size_t>(rows) * c.topk * bpc * 4);
+  int32_t* q_entries = reinterpret_cast<int32_t*>(cur);
+  cur += a256(static_cast<size_t>(rows) * nc * bpc * 4);
+  int32_t* kv_counts = reinterpret_cast<int32_t*>(cur);
+  cur += a256(static_cast<size_t>(rows) * 4);
+  int32_t* q_counts = reinterpret_cast<int32_t*>(cur);
+  VQAD_CHECK((rows + 7) / 8 <= 0x7fffffff, "vsa fine backward: too many rows (", shape_str(c), ")");
+  const unsigned grid = static_cast<unsigned>((rows + 7) / 8);
+  // The forward's visit lists (dQ) and the inverse lists expanded to query blocks (dK/dV).
+  visit_lists_kernel<<<grid, 256, 0, stream>>>(sel_index, sel_count, c.tiling.cube_tokens, c.tiling.block_tokens,
+                                               bpc, c.topk, rows, kv_entries, kv_counts);
+  VQAD_CUDA_CHECK_LAUNCH("vsa visit_lists_kernel (dQ)");
+  visit_lists_kernel<<<grid, 256, 0, stream>>>(inv_index, inv_count, c.tiling.cube_tokens, c.tiling.block_tokens,
+                                               bpc, nc, rows, q_entries, q_counts);
+  VQAD_CUDA_CHECK_LAUNCH("vsa visit_lists_kernel (dK/dV)");
+
+  const FineParams fp = base_params(c);
+  const int64_t P = c.tiling.padded_len;
+  const int64_t sb = static_cast<int64_t>(c.heads) * P * kD, sh = P * kD, sl = kD;
+  auto in = [&](const void* x) { return attn_bwd::InTensor{static_cast<const bf16*>(x), sb, sl, sh}; };
+  auto out = [&](void* x) { return attn_bwd::OutTensor{static_cast<bf16*>(x), sb, sl, sh}; };
+  attn_bwd::KernelParams kp{};
+  kp.B = c.batch;
+  kp.H = c.heads;
+  kp.Lq = kp.Lkv = static_cast<int>(P);
+  kp.scale = fp.scale;
+  kp.c = fp.c;
+  kp.q = in(tiled_q);
+  kp.k = in(tiled_k);
+  kp.v = in(tiled_v);
+  kp.dout = in(d_o_tiled);
+  kp.ohp = attn_bwd::InTensor{nullptr, 0, 0, 0};
+  kp.dq = out(dq_tiled);
+  kp.dk = out(dk_tiled);
+  kp.dv = out(dv_tiled);
+  kp.stats = static_cast<float4*>(const_cast<void*>(stats));
+  attn_bwd::VisitLists vl{};
+  vl.q_entries = q_entries;
+  vl.q_counts = q_counts;
+  vl.q_stride = nc * bpc;
+  vl.kv_entries = kv_entries;
+  vl.kv_counts = kv_counts;
+  vl.kv_stride = c.topk * bpc;
+  vl.key_rows = c.tiling.block_tokens;
+  vl.kv_tiles = vl.q_tiles = nc;
+  const AttnQatBwdPMode mode = !(c.quantize && c.quant_p) ? AttnQatBwdPMode::kNone
+                               : c.bwd_fastvideo          ? AttnQatBwdPMode::kFastVideo
+                                                          : AttnQatBwdPMode::kConsistent;
+  int device = 0;
+  VQAD_CUDA_CHECK(cudaGetDevice(&device));
+  attn_bwd::launch_wgmma_visit_kernels(kp, vl, mode, device_info(device), stream);
+}
+
 }  // namespace detail
 }  // namespace vqad::kernels::vsa

@@ -14,7 +14,9 @@
 //   fine-stage forward over the lists (vsa_fine_forward_kernel below; empty blocks
 //   skipped, partial ones masked),
 //   the inverse (KV cube -> query cubes) lists, the fine-stage backward (dK/dV per KV
-//   block over the query cubes that selected it, dQ per query block over its list),
+//   block over the query cubes that selected it, dQ per query block over its list; C128
+//   on the ATTN_QAT_TRAIN wgmma backward with visit lists, one CTA per cube, C64 on
+//   mma.sync),
 //   the coarse backward and the gated combine / scatter back to raster order.
 // Errors (shapes, alignment, devices) throw vqad::Error naming the stage and the shape.
 #pragma once
