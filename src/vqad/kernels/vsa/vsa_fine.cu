@@ -767,7 +767,9 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
     fp.head_dim = kD;
     fp.softmax_scale = c.softmax_scale > 0.0f ? c.softmax_scale : 0.0f;  // 0: 1/sqrt(D), as base_params
     fp.quant_p = qp;
-    const attention::AttnQatFwdVisit visit{entries, counts, stride};
+    // q_block_rows: a query cube of one physical block leaves the CTA's second
+    // warpgroup idle (its rows are padding and are not written).
+    const attention::AttnQatFwdVisit visit{entries, counts, stride, c.tiling.block_tokens};
     try {
       attention::launch_attn_qat_fwd_visit(fp, visit, stream);
     } catch (const vqad::Error&) {

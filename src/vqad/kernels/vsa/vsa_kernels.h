@@ -150,7 +150,7 @@ void launch_tile(const VsaConfig& c, RasterIn src, void* dst_tiled, bool quantiz
 // Fine-stage forward over the lists: o (quantized-P path) and o_hp (BF16-P path; equal to
 // o without P quantization) tiled BF16, m and l [B, H, P]; scratch holds
 // fine_forward_scratch_bytes(c) (256-byte aligned; the C128 visit lists). Rows of empty
-// query blocks are unspecified (C64: not written; C128: written from the zero padding).
+// query blocks are not written.
 size_t fine_forward_scratch_bytes(const VsaConfig& c);
 void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* tiled_k,
                          const void* tiled_v, const int32_t* sel_index, const int32_t* sel_count,

@@ -149,7 +149,9 @@ struct VisitLists {
   const int32_t* kv_entries;
   const int32_t* kv_counts;
   int kv_stride;
-  const int32_t* key_rows;  // [Lkv / 64]: valid rows of each 64-row KV block (all b, h)
+  // [Lkv / 64]: valid rows of each 64-row block (all b, h); self-attention over one
+  // tiling, so also the query blocks' (a warpgroup of only padding rows idles).
+  const int32_t* key_rows;
   int kv_tiles, q_tiles;
 };
 void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, AttnQatBwdPMode mode,

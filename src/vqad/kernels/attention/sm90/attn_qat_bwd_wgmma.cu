@@ -268,6 +268,9 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   const int key_end = VISIT ? kv0 + wg * 64 + __ldg(vl->key_rows + kv_block * 2 + wg) : p.Lkv;
   const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > key_end;
   const bool key_ok0 = key_row0 < key_end, key_ok1 = key_row0 + 8 < key_end;
+  // VISIT: a warpgroup whose 64 keys are all padding (a KV cube of one physical block)
+  // only loads its share of the tiles and meets the barriers (broadcast: warp-uniform).
+  const bool idle = VISIT && __shfl_sync(0xffffffffu, key_end == kv0 + wg * 64 ? 1 : 0, 0) != 0;
   const uint32_t aK = smem_u32(sK), aV = smem_u32(sV);
 
   // Ordered dQ (kDq): this CTA's place in the chain of its partial sum.
@@ -298,6 +301,21 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     sem_advance(dq_turn + qb);
   };
 
+  if constexpr (VISIT) {
+    if (idle) {  // the barriers and loads of the loop below, nothing else
+      for (int qb = q_begin; qb < q_end; ++qb) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (qb + 1 < q_end) {
+          load_q_block(q_next, (qb + 1 - q_begin) % kStages);
+          cp_async_commit();
+        }
+        if (qb + 2 < q_end) q_next = qblock(qb + 2);
+      }
+      q_end = q_begin;
+    }
+  }
   for (int qb = q_begin; qb < q_end; ++qb) {  // VISIT: qb is the step, the block is qblock(qb)
     const int stage = (qb - q_begin) % kStages;
     cp_async_wait<0>();
@@ -511,7 +529,26 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
     for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
 
   const uint32_t aQ = smem_u32(sQ), adO = smem_u32(sdO);
-  const int nk = VISIT ? (kcount + 1) / 2 : (p.Lkv + KT - 1) / KT;
+  int nk = VISIT ? (kcount + 1) / 2 : (p.Lkv + KT - 1) / KT;
+  // VISIT: a warpgroup whose 64 queries are all padding (a query cube of one physical
+  // block) only loads its share of the tiles and meets the barriers; its dQ rows are 0.
+  const bool idle =
+      VISIT && __shfl_sync(0xffffffffu, __ldg(vl->key_rows + q_block * 2 + wg) == 0 ? 1 : 0, 0) != 0;
+  if constexpr (VISIT) {
+    if (idle) {  // the barriers and loads of the loop below, nothing else
+      for (int kb = 0; kb < nk; ++kb) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (kb + 1 < nk) {
+          load_kv_pair(nxt0, nxt1, (kb + 1) % kStages);
+          cp_async_commit();
+        }
+        nxt0 = kentry(2 * kb + 4), nxt1 = kentry(2 * kb + 5);
+      }
+      nk = 0;
+    }
+  }
   for (int kb = 0; kb < nk; ++kb) {
     const int stage = kb % kStages;
     cp_async_wait<0>();

@@ -453,6 +453,7 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const Tile& t, int row0
 // (last tile only) are zero-filled and masked. This is the dense ATTN_QAT_TRAIN path;
 // inlined it is exactly the code the kernel had before the policy existed.
 struct DenseKv {
+  static constexpr bool kCanIdle = false;  // every warpgroup computes its rows
   Tile tk, tv;
   int len;
   __device__ __forceinline__ static DenseKv make(const AttnQatFwdParams& p, const AttnQatFwdVisit&, int b, int h,
@@ -492,12 +493,14 @@ struct DenseKv {
 // entries of the next tile to load are prefetched into registers one load ahead, so
 // the cp.async issue after each barrier does not wait on the list read.
 struct VisitKv {
+  static constexpr bool kCanIdle = true;  // see idle()
   const __nv_bfloat16* kb;
   const __nv_bfloat16* vb;
   int64_t ks, vs;          // row strides of K and V
   const int32_t* entries;  // this query tile's list
   int count;
   int pf0, pf1;            // entries of the next tile load() issues
+  const int32_t* q_rows;   // valid rows of this query tile's two 64-row blocks, or null
   __device__ __forceinline__ int entry(int i) const { return i < count ? __ldg(entries + i) : 0; }
   __device__ __forceinline__ static VisitKv make(const AttnQatFwdParams& p, const AttnQatFwdVisit& v, int b, int h,
                                                  int m_block) {
@@ -510,7 +513,8 @@ struct VisitKv {
                v.entries + row * v.stride,
                __ldg(v.counts + row),
                0,
-               0};
+               0,
+               v.q_block_rows != nullptr ? v.q_block_rows + 2 * m_block : nullptr};
     kv.pf0 = kv.entry(0);
     kv.pf1 = kv.entry(1);
     return kv;
@@ -519,6 +523,10 @@ struct VisitKv {
   __device__ __forceinline__ int n_tiles() const {
     return (count + 1) / 2;
   }
+  // Warpgroup wg's 64 query rows are all padding (a VSA query cube of one physical
+  // block): it skips its MMAs (still loading its share of every tile and meeting every
+  // barrier) and stores nothing.
+  __device__ __forceinline__ bool idle(int wg) const { return q_rows != nullptr && __ldg(q_rows + wg) == 0; }
   // One 64-row block (entry e; valid rows e & 127, zero-filled past them) into rows
   // [half * 64, half * 64 + 64) of a [2][BN][64] swizzled tile.
   template <int BN>
@@ -654,6 +662,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #else
   constexpr bool kPipe = false;
 #endif
+  bool idle_wg = false;  // KV::idle: this warpgroup only loads and meets the barriers
   if constexpr (kPipe) {
 #if VQAD_ATTN_FWD_WGMMA
     static_assert(BN == 128 && kStages == 3, "skewed schedule: BLOCK_N 128, 3 stages");
@@ -661,6 +670,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // Broadcast from lane 0 so that ptxas sees the warpgroup index as warp-uniform
     // (wgmma in branches on a divergent value would be serialized).
     const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
+    if constexpr (KV::kCanIdle) idle_wg = __shfl_sync(0xffffffffu, kv.idle(wg) ? 1 : 0, 0) != 0;
     const uint32_t a_base = sQ + wg * 64 * 128;
     float (&acch_ref)[16][4] = *reinterpret_cast<float(*)[16][4]>(QUANT_P ? &acch[0][0] : &acc[0][0]);
     float s[kNT][4];
@@ -720,6 +730,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     if constexpr (kUnifiedLoop) {
       // One loop body for both warpgroups (half the SASS of the two loops below, which
       // stall on instruction fetch); only the barrier positions depend on wg.
+      if (KV::kCanIdle && idle_wg) {
+        // Either warpgroup meets barriers 0 .. n_tiles in this order; an idle one only
+        // loads its share of each tile at them.
+#pragma unroll 1
+        for (int k = 0; k <= n_tiles; ++k) barrier_and_load(k);
+      } else {
       if (wg == 1) barrier_and_load(0);
 #pragma unroll 1
       for (int j = 0; j < n_tiles; ++j) {
@@ -737,6 +753,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         wgmma_wait0();
       }
       if (wg == 0) barrier_and_load(n_tiles);
+      }  // not idle
     } else if (wg == 0) {
       // barrier j | S(j), softmax, all 8 groups of tile j
 #pragma unroll 1
@@ -915,6 +932,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   cp_async_wait<0>();
   }  // schedule
 
+  if (KV::kCanIdle && idle_wg) return;  // padding rows only (no barrier follows)
   // ---- epilogue: full row sums, O = acc / l, O_hp = acch / l, m and l ----
   // Every column holds the row sum; the max of two columns (equal values) keeps all
   // four accumulators live, so the row-sum wgmma never sees an undefined accumulator.

@@ -37,6 +37,10 @@ struct AttnQatFwdVisit {
   const int32_t* entries = nullptr;
   const int32_t* counts = nullptr;  // [B * H * q_tiles]: entries per list, >= 1
   int stride = 0;
+  // [ceil(len_q / 64)] valid rows of each 64-row query block (the same for every b, h),
+  // or null. A warpgroup whose 64 rows hold none skips its MMAs and writes nothing
+  // (o, o_hp, m, l of those rows are left as they were).
+  const int32_t* q_block_rows = nullptr;
 };
 
 // As launch_attn_qat_fwd (same params, numerics per tile, outputs for every query row
