@@ -9,9 +9,14 @@
 //         tiles of two visited blocks, tile_blocks = 2, the dense kernel's pipeline and
 //         arithmetic).
 //   C64:  the mma.sync kernel below (tile_blocks = 1).
-// The rest runs on mma.sync m16n8k16 (bf16 in, fp32 accumulate) for both shapes; the
-// backward depends on the forward's tiles only through m and l (P is recomputed
-// against the final row max in both backward modes), so it serves either tile_blocks.
+// Backward by cube shape (the backward depends on the forward's tiles only through m
+// and l: P is recomputed against the final row max in both backward modes):
+//   C128: launch_fine_bwd_wgmma: the visit lists again, the inverse lists expanded to
+//         query blocks, and one launch of the ATTN_QAT_TRAIN wgmma backward over them
+//         (attn_bwd launch_wgmma_visit_kernels: dK/dV CTA = one KV cube, dQ CTA = one
+//         query cube over 128-key pairs of visited blocks).
+//   C64:  fine_dkdv_kernel and fine_dq_kernel below (mma.sync m16n8k16, bf16 in, fp32
+//         accumulate).
 //
 //   fine_fwd_kernel:  (C64) CTA = one 64-row query block (4 warps x 16 rows) of one (b, h);
 //                     it visits the physical 64-key blocks of its query cube's selected
@@ -22,11 +27,11 @@
 //                     bf16(P), O += bf16(P^) V, O_hp += bf16(P) V: the dense ATTN_QAT_TRAIN
 //                     forward's arithmetic (same exp2, same scale table and rounding).
 //   fine_stats_kernel: per tiled row {m, 1/l, delta = rowsum(dO * O_hp)} (zeros for padding).
-//   fine_dkdv_kernel: CTA = one 64-key block; loops over the 64-query blocks of the query
+//   fine_dkdv_kernel: (C64) CTA = one 64-key block; loops over the 64-query blocks of the query
 //                     cubes that selected its cube (inverse lists, ascending), forming
 //                     dK, dV in registers (the dense mma.sync dK/dV step: S^T = K Q^T so a
 //                     warp's 16 keys are one P group per query, dkdv_phase1/2).
-//   fine_dq_kernel:   CTA = one 64-row query block; loops over the forward's visit list.
+//   fine_dq_kernel:   (C64) CTA = one 64-row query block; loops over the forward's visit list.
 // No atomics; every sum has a fixed order, so results are bitwise reproducible.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
