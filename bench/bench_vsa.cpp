@@ -108,7 +108,7 @@ vsa_ref::Options options_of(const Variant& v, double sparsity) {
   o.cube = v.cube;
   o.sparsity = sparsity;
   o.quantize = v.quantize;
-  o.tile_blocks = kv::kVsaTileBlocks;
+  o.tile_blocks = kv::vsa_tile_blocks((v.cube.volume() + kv::kVsaBlockTokens - 1) / kv::kVsaBlockTokens);
   return o;
 }
 
@@ -284,10 +284,10 @@ int run_vsa_bench(const VsaBenchOptions& o) {
   for (const std::string& s : o.grids) grids.push_back(parse_grid(s));
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, at::cuda::current_device());
-  std::printf("vqad bench vsa on %s (sm_%d%d), B=%d H=%d D=%lld sparsity %.3f, tile_blocks=%d, median of %d after %d "
+  std::printf("vqad bench vsa on %s (sm_%d%d), B=%d H=%d D=%lld sparsity %.3f, tile_blocks C128 %d / C64 %d, median of %d after %d "
               "warm-up\n",
               prop.name, prop.major, prop.minor, o.batch, o.heads, static_cast<long long>(kD), o.sparsity,
-              kv::kVsaTileBlocks, o.iters, o.warmup);
+              kv::kVsaTileBlocksC128, kv::kVsaTileBlocksC64, o.iters, o.warmup);
   nlohmann::json checks = nlohmann::json::object();
   if (o.check) {
     for (const Variant& v : kVariants) {
@@ -327,7 +327,7 @@ int run_vsa_bench(const VsaBenchOptions& o) {
   std::ofstream(path) << nlohmann::json{{"bench", "vsa"},
                                         {"device", prop.name},
                                         {"sm", prop.major * 10 + prop.minor},
-                                        {"tile_blocks", kv::kVsaTileBlocks},
+                                        {"tile_blocks", {{"C128", kv::kVsaTileBlocksC128}, {"C64", kv::kVsaTileBlocksC64}}},
                                         {"block_tokens", kv::kVsaBlockTokens},
                                         {"warmup", o.warmup},
                                         {"iters", o.iters},

@@ -6,6 +6,9 @@
 // heads and past the end untouched, ragged grids (partial cubes in t, h and w), both
 // cube shapes, B > 1, H > 1, both backward modes, BF16 mode, and bitwise determinism
 // across two runs. Every failure prints the largest errors and the first bad index.
+// C128 runs on the ATTN_QAT_TRAIN wgmma kernels with visit lists (tile_blocks 2), C64 on
+// the mma.sync kernels (tile_blocks 1); the hand-made-list tests pin the C128 forward's
+// odd visit counts, one-block cubes and single-block lists.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -376,7 +379,7 @@ void run_case(const Case& cs) {
   opts.quant_p = cs.quant_p;
   opts.quant_v = cs.quant_v;
   opts.bwd_mode = cs.bwd;
-  opts.tile_blocks = kv::kVsaTileBlocks;
+  opts.tile_blocks = kv::vsa_tile_blocks(static_cast<int>(t.blocks_per_cube));
   const vr::Dims dims{B, H, kD};
   const int64_t topk = vr::effective_topk(cs.sparsity, nc);
   auto view = [&](const std::vector<float>& x) {
@@ -511,6 +514,152 @@ TEST(VsaCuda, QatC128WanLikeBorders) {
   c.seed = 7;
   run_case(c);
 }
+
+TEST(VsaCuda, QatC128DenseLists) {
+  // Sparsity 0: every query cube visits all 12 cubes (24 blocks, 12 KV tiles of the
+  // wgmma forward), so the list prefetch runs over many tiles.
+  Case c{"qat-c128-dense-lists", 1, 1, 8, 8, 24, vr::kCubeC128, 0.0};
+  c.seed = 8;
+  run_case(c);
+}
+
+// The C128 fine forward (the attention visit-list wgmma kernel, tile_blocks 2) on
+// hand-made lists against vsa_ref::fine_forward at tile_blocks 2: lists of one
+// one-block cube (a single tile, second half empty), odd visit counts, one-block cubes
+// in the middle of a list (block pairs that straddle cubes), the full list, and query
+// cubes of one physical block (the CTA's second warpgroup on padding rows). O, O_hp,
+// m and l of every valid tiled row; padding rows are not compared.
+void run_fine_lists(bool quant_p, uint32_t seed) {
+  const int64_t B = 1, H = 2;
+  const vr::Tiling t = vr::make_tiling(5, 6, 10, vr::kCubeC128);  // 8 cubes, border ones of 1 block
+  const int64_t L = t.num_tokens(), P = t.padded_len, nc = t.num_cubes, bpc = t.blocks_per_cube;
+  ASSERT_EQ(kv::vsa_fine_forward_kernel(static_cast<int>(bpc)), kv::VsaFineForward::kWgmmaPairs);
+  std::vector<int64_t> one_block;
+  for (int64_t cb = 0; cb < nc; ++cb)
+    if (t.cube_tokens[cb] <= vr::kPhysicalBlockTokens) one_block.push_back(cb);
+  ASSERT_GE(one_block.size(), 2u) << "the grid must have one-block cubes";
+  std::mt19937 rng(seed);
+  const size_t n = static_cast<size_t>(B * L * H * kD);
+  const std::vector<float> q = randn(n, 1.0f, rng), k = randn(n, 1.0f, rng), v = randn(n, 1.0f, rng);
+
+  vr::SelectionLists sel;
+  sel.batch = B, sel.heads = H, sel.num_q_cubes = nc, sel.max_kv = nc;
+  sel.index.assign(static_cast<size_t>(B * H * nc * nc), -1);
+  sel.count.assign(static_cast<size_t>(B * H * nc), 0);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t qc = 0; qc < nc; ++qc) {
+      std::vector<int32_t> cubes;
+      const int64_t kind = (qc + h * 3) % 5;
+      if (kind == 0) {
+        cubes = {static_cast<int32_t>(one_block[qc % one_block.size()])};  // one block in total
+      } else if (kind == 1) {
+        for (int64_t cb = 0; cb < nc; ++cb) cubes.push_back(static_cast<int32_t>(cb));  // full list
+      } else {
+        // a one-block cube between full ones, and a random subset
+        std::vector<int32_t> all;
+        for (int64_t cb = 0; cb < nc; ++cb) all.push_back(static_cast<int32_t>(cb));
+        std::shuffle(all.begin(), all.end(), rng);
+        const int64_t cnt = 2 + static_cast<int64_t>(rng() % static_cast<uint32_t>(nc - 2));
+        cubes.assign(all.begin(), all.begin() + cnt);
+        if (std::find(cubes.begin(), cubes.end(), one_block[0]) == cubes.end())
+          cubes.push_back(static_cast<int32_t>(one_block[0]));
+        std::sort(cubes.begin(), cubes.end());
+      }
+      const int64_t row = h * nc + qc;
+      for (size_t e = 0; e < cubes.size(); ++e) sel.index[static_cast<size_t>(row * nc) + e] = cubes[e];
+      sel.count[static_cast<size_t>(row)] = static_cast<int32_t>(cubes.size());
+    }
+
+  vr::Options opts;
+  opts.cube = vr::kCubeC128;
+  opts.quantize = true;
+  opts.quant_p = quant_p;
+  opts.tile_blocks = kv::vsa_tile_blocks(static_cast<int>(bpc));
+  ASSERT_EQ(opts.tile_blocks, 2);
+  const vr::Dims dims{B, H, kD};
+  std::vector<float> o_ref(n), hp_ref(n), m_ref(static_cast<size_t>(B * H * L)), l_ref(m_ref.size());
+  vr::fine_forward(dims, t, aq::contiguous_view(q.data(), L, H, kD), aq::contiguous_view(k.data(), L, H, kD),
+                   aq::contiguous_view(v.data(), L, H, kD), sel, opts, aq::contiguous_view(o_ref.data(), L, H, kD),
+                   aq::contiguous_view(hp_ref.data(), L, H, kD), m_ref.data(), l_ref.data());
+
+  // Device side: tiling tables, tiled (quantized) operands, the lists, the forward.
+  DevBuf<int32_t> s2t(static_cast<size_t>(P), 0), t2s(static_cast<size_t>(L), 0), ct(static_cast<size_t>(nc), 0),
+      bt(t.block_tokens.size(), 0);
+  s2t.upload(i32(t.slot_to_token));
+  t2s.upload(i32(t.token_to_slot));
+  ct.upload(t.cube_tokens);
+  bt.upload(t.block_tokens);
+  kv::VsaConfig c;
+  c.batch = static_cast<int>(B);
+  c.heads = static_cast<int>(H);
+  c.grid_t = 5, c.grid_h = 6, c.grid_w = 10;
+  c.tiling.len = static_cast<int>(L);
+  c.tiling.num_cubes = static_cast<int>(nc);
+  c.tiling.blocks_per_cube = static_cast<int>(bpc);
+  c.tiling.padded_len = static_cast<int>(P);
+  c.tiling.max_cube_tokens = *std::max_element(t.cube_tokens.begin(), t.cube_tokens.end());
+  c.tiling.slot_to_token = s2t.ptr;
+  c.tiling.token_to_slot = t2s.ptr;
+  c.tiling.cube_tokens = ct.ptr;
+  c.tiling.block_tokens = bt.ptr;
+  c.topk = static_cast<int>(nc);
+  c.quantize = true;
+  c.quant_p = quant_p;
+  auto bits = [](const std::vector<float>& x) {
+    std::vector<uint16_t> b(x.size());
+    for (size_t i = 0; i < x.size(); ++i) b[i] = bf16_bits(x[i]);
+    return b;
+  };
+  DevBuf<uint16_t> rq(n, 0), rk(n, 0), rv(n, 0);
+  rq.upload(bits(q));
+  rk.upload(bits(k));
+  rv.upload(bits(v));
+  const int64_t sh = kD, sl = H * kD, sb = L * H * kD;
+  const size_t tiled = static_cast<size_t>(B * H * P * kD);
+  DevBuf<uint16_t> tq(tiled, 0xFF), tk(tiled, 0xFF), tv(tiled, 0xFF), o(tiled, 0xFF), ohp(tiled, 0xFF);
+  DevBuf<float> m(static_cast<size_t>(B * H * P), 0xFF), l(static_cast<size_t>(B * H * P), 0xFF);
+  DevBuf<int32_t> si(sel.index.size(), 0), sc(sel.count.size(), 0);
+  si.upload(sel.index);
+  sc.upload(sel.count);
+  DevBuf<uint8_t> scratch(std::max<size_t>(kv::fine_forward_scratch_bytes(c), 256), 0xFF);
+  kv::launch_tile(c, kv::RasterIn{rq.ptr, sb, sl, sh}, tq.ptr, true, nullptr);
+  kv::launch_tile(c, kv::RasterIn{rk.ptr, sb, sl, sh}, tk.ptr, true, nullptr);
+  kv::launch_tile(c, kv::RasterIn{rv.ptr, sb, sl, sh}, tv.ptr, true, nullptr);
+  kv::launch_fine_forward(c, tq.ptr, tk.ptr, tv.ptr, si.ptr, sc.ptr, o.ptr, ohp.ptr, m.ptr, l.ptr, scratch.ptr,
+                          nullptr);
+  VQAD_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> o_t = o.download(), hp_t = ohp.download();
+  const std::vector<float> m_t = m.download(), l_t = l.download();
+
+  // Tiled rows -> raster order (valid slots only).
+  std::vector<float> o_got(n, NAN), hp_got(n, NAN);
+  double m_err = 0, l_err = 0;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t slot = 0; slot < P; ++slot) {
+      const int64_t tok = t.slot_to_token[slot];
+      if (tok < 0) continue;
+      const size_t trow = static_cast<size_t>((h * P + slot) * kD);
+      for (int d = 0; d < kD; ++d) {
+        const size_t e = static_cast<size_t>((tok * H + h) * kD + d);
+        o_got[e] = bf16_value(o_t[trow + d]);
+        hp_got[e] = bf16_value(hp_t[trow + d]);
+      }
+      const float mg = m_t[static_cast<size_t>(h * P + slot)], mr = m_ref[static_cast<size_t>(h * L + tok)];
+      const float lg = l_t[static_cast<size_t>(h * P + slot)], lr = l_ref[static_cast<size_t>(h * L + tok)];
+      m_err = std::max(m_err, std::fabs(static_cast<double>(mg) - mr) / std::max(1.0, std::fabs(static_cast<double>(mr))));
+      l_err = std::max(l_err, std::fabs(static_cast<double>(lg) - lr) / std::fabs(static_cast<double>(lr)));
+      if (!std::isfinite(mg) || !std::isfinite(lg)) m_err = INFINITY;
+    }
+  const std::string ctx = std::string("fine lists C128 ") + (quant_p ? "quant-p" : "no-quant-p");
+  std::printf("[%s] m rel err %.3e, l rel err %.3e\n", ctx.c_str(), m_err, l_err);
+  expect_close("O", o_got, o_ref, L, H, ctx);
+  expect_close("O_hp", hp_got, hp_ref, L, H, ctx);
+  EXPECT_LE(m_err, 1e-5) << "row max m, " << ctx;
+  EXPECT_LE(l_err, 2e-3) << "row sum l, " << ctx;
+}
+
+TEST(VsaCuda, FineForwardC128HandListsQuantP) { run_fine_lists(true, 11); }
+TEST(VsaCuda, FineForwardC128HandListsNoQuantP) { run_fine_lists(false, 12); }
 
 TEST(VsaCuda, RefusesUnsupportedShapes) {
   ASSERT_GT(vqad::kernels::device_count(), 0) << "GPU tests need a CUDA device";

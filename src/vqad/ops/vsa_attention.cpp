@@ -333,7 +333,7 @@ vsa_ref::Options vsa_ref_options(AttentionBackend b, const VsaOptions& o) {
   r.quant_v = o.quant_v;
   r.bwd_mode = o.bwd_mode == AttnQatBwdMode::kFastVideo ? attn_qat_ref::BwdMode::kFastVideo
                                                          : attn_qat_ref::BwdMode::kConsistent;
-  r.tile_blocks = kVsaTileBlocks;
+  r.tile_blocks = vsa_tile_blocks(r.cube);
   r.softmax_scale = 0.0f;
   return r;
 }

@@ -16,9 +16,16 @@
 
 namespace vqad::ops {
 
-// Visited physical blocks per running-max tile: the CUDA kernels' choice
-// (kernels/vsa/vsa_kernels.h kVsaTileBlocks); both device paths run with it.
-inline constexpr int kVsaTileBlocks = 1;
+// Visited physical blocks per running-max tile, by cube shape: the CUDA kernels' choice
+// (kernels/vsa/vsa_kernels.h vsa_tile_blocks: C128 runs on 128-key wgmma tiles of two
+// visited blocks, C64 on one block per step); the CPU and CUDA paths both run with it,
+// so CPU and GPU training compute the same function.
+inline constexpr int kVsaTileBlocksC128 = 2;
+inline constexpr int kVsaTileBlocksC64 = 1;
+inline int vsa_tile_blocks(vsa_ref::CubeShape cube) {
+  const int blocks_per_cube = (cube.volume() + vsa_ref::kPhysicalBlockTokens - 1) / vsa_ref::kPhysicalBlockTokens;
+  return blocks_per_cube == 2 ? kVsaTileBlocksC128 : kVsaTileBlocksC64;
+}
 
 // What a VSA layer takes besides the backend (training.vsa.*).
 struct VsaOptions {
@@ -35,7 +42,7 @@ bool is_vsa_backend(AttentionBackend b);
 vsa_ref::CubeShape vsa_cube_of(AttentionBackend b);
 // True for VSA_QAT_TRAIN_* (NVFP4 fine stage), false for VSA_TRAIN_* (BF16).
 bool vsa_quantized(AttentionBackend b);
-// The reference options of a call (softmax scale 1/sqrt(D), tile_blocks = kVsaTileBlocks).
+// The reference options of a call (softmax scale 1/sqrt(D), tile_blocks = vsa_tile_blocks(cube)).
 vsa_ref::Options vsa_ref_options(AttentionBackend b, const VsaOptions& o);
 // "top-k" | "top-p"; vqad::Error naming `where` otherwise.
 vsa_ref::Selection parse_vsa_selection(const std::string& s, const std::string& where);

@@ -17,12 +17,18 @@
 
 #include "vqad/core/error.h"
 #include "vqad/kernels/vsa/vsa_kernels.h"
+#include "vqad/ops/vsa_attention.h"
 #include "vqad/ops/tensor_text.h"
 
 namespace vqad::ops::vsa_cuda {
 namespace {
 
 namespace kv = vqad::kernels::vsa;
+
+// The CPU op (ops/vsa_attention.h) and the kernels must agree on tile_blocks per cube.
+static_assert(kv::kVsaTileBlocksC128 == kVsaTileBlocksC128 && kv::kVsaTileBlocksC64 == kVsaTileBlocksC64 &&
+                  kv::vsa_tile_blocks(2) == kVsaTileBlocksC128 && kv::vsa_tile_blocks(1) == kVsaTileBlocksC64,
+              "tile_blocks of the CUDA kernels and of the CPU op differ");
 
 constexpr const char* kOp = "vsa_attention (VSA, CUDA)";
 
@@ -84,9 +90,13 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   VQAD_CHECK(opts.cube.t == tiling.cube.t && opts.cube.h == tiling.cube.h && opts.cube.w == tiling.cube.w, kOp,
              ": the options' cube ", opts.cube.t, "x", opts.cube.h, "x", opts.cube.w, " differs from the tiling's (",
              shapes, ")");
-  VQAD_CHECK(opts.tile_blocks == kv::kVsaTileBlocks, kOp, ": tile_blocks ", opts.tile_blocks,
-             " is not supported, the CUDA fine stage updates the running max per ", kv::kVsaTileBlocks,
-             " visited 64-key block (set tile_blocks = ", kv::kVsaTileBlocks, "), ", shapes);
+  {
+    const int want = kv::vsa_tile_blocks(static_cast<int>(tiling.blocks_per_cube));
+    VQAD_CHECK(opts.tile_blocks == want, kOp, ": tile_blocks ", opts.tile_blocks,
+               " is not supported, the CUDA fine stage for cube ", tiling.cube.t, "x", tiling.cube.h, "x",
+               tiling.cube.w, " updates the running max per ", want, " visited 64-key block(s) (set tile_blocks = ",
+               want, "), ", shapes);
+  }
   VQAD_CHECK(opts.sparsity >= 0.0 && opts.sparsity < 1.0, kOp, ": sparsity must be in [0, 1), found ",
              opts.sparsity);
   VQAD_CHECK(opts.top_p > 0.0 && opts.top_p <= 1.0, kOp, ": top_p must be in (0, 1], found ", opts.top_p);

@@ -1,20 +1,37 @@
-// VSA fine stage (spec/attention.md "VSA"; numerics/vsa_ref.h step 4) on mma.sync
-// m16n8k16 (bf16 in, fp32 accumulate), over the tiled [B, H, P, D] operands.
+// VSA fine stage (spec/attention.md "VSA"; numerics/vsa_ref.h step 4) over the tiled
+// [B, H, P, D] operands.
 //
-//   fine_fwd_kernel:  CTA = one 64-row query block (4 warps x 16 rows) of one (b, h);
+// Forward by cube shape (vsa_kernels.h vsa_fine_forward_kernel):
+//   C128: visit_lists_kernel writes each query cube's visited physical blocks (entries
+//         (block << 7) | valid tokens, ascending cube order, empty blocks left out) and
+//         the ATTN_QAT_TRAIN wgmma forward runs over them (attention/sm90
+//         attn_qat_fwd_visit.h: 128 query rows = the cube's two blocks per CTA, 128-key
+//         tiles of two visited blocks, tile_blocks = 2, the dense kernel's pipeline and
+//         arithmetic).
+//   C64:  the mma.sync kernel below (tile_blocks = 1).
+// Backward by cube shape (the backward depends on the forward's tiles only through m
+// and l: P is recomputed against the final row max in both backward modes):
+//   C128: launch_fine_bwd_wgmma: the visit lists again, the inverse lists expanded to
+//         query blocks, and one launch of the ATTN_QAT_TRAIN wgmma backward over them
+//         (attn_bwd launch_wgmma_visit_kernels: dK/dV CTA = one KV cube, dQ CTA = one
+//         query cube over 128-key pairs of visited blocks).
+//   C64:  fine_dkdv_kernel and fine_dq_kernel below (mma.sync m16n8k16, bf16 in, fp32
+//         accumulate).
+//
+//   fine_fwd_kernel:  (C64) CTA = one 64-row query block (4 warps x 16 rows) of one (b, h);
 //                     it visits the physical 64-key blocks of its query cube's selected
 //                     KV cubes in ascending cube order (empty blocks are not in the visit
 //                     list, partial ones are masked to -inf), K / V double buffered with
-//                     cp.async. Per visited block (kVsaTileBlocks = 1): running max,
+//                     cp.async. Per visited block (kVsaTileBlocksC64 = 1): running max,
 //                     P = exp2(s - m), P^ = NVFP4(P) per 16 keys against that max, l from
 //                     bf16(P), O += bf16(P^) V, O_hp += bf16(P) V: the dense ATTN_QAT_TRAIN
 //                     forward's arithmetic (same exp2, same scale table and rounding).
 //   fine_stats_kernel: per tiled row {m, 1/l, delta = rowsum(dO * O_hp)} (zeros for padding).
-//   fine_dkdv_kernel: CTA = one 64-key block; loops over the 64-query blocks of the query
+//   fine_dkdv_kernel: (C64) CTA = one 64-key block; loops over the 64-query blocks of the query
 //                     cubes that selected its cube (inverse lists, ascending), forming
 //                     dK, dV in registers (the dense mma.sync dK/dV step: S^T = K Q^T so a
 //                     warp's 16 keys are one P group per query, dkdv_phase1/2).
-//   fine_dq_kernel:   CTA = one 64-row query block; loops over the forward's visit list.
+//   fine_dq_kernel:   (C64) CTA = one 64-row query block; loops over the forward's visit list.
 // No atomics; every sum has a fixed order, so results are bitwise reproducible.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,10 +40,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <string>
 
 #include "vqad/core/error.h"
 #include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
+#include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/nvfp4_device.cuh"
 #include "vqad/kernels/common/sm90_ptx.cuh"
@@ -52,7 +71,11 @@ constexpr int kWarps = kBT / 16;
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks of one row
 constexpr int kTileElems = kBT * kD;   // one 64 x 128 tile
-static_assert(kVsaTileBlocks == 1, "the fine kernels update the running max once per visited block");
+static_assert(kVsaTileBlocksC64 == 1, "fine_fwd_kernel updates the running max once per visited block");
+static_assert(kVsaTileBlocksC128 == attention::kAttnQatVisitTileBlocks &&
+                  attention::kAttnQatVisitBlockRows == kBT && attention::kAttnQatBlockM == 2 * kBT &&
+                  attention::kAttnQatHeadDim == kD,
+              "the C128 forward is the attention visit-list kernel: 128 query rows = one cube, 2 blocks per tile");
 
 // Element offset of (row, 16-byte chunk) in a [rows][128] bf16 tile whose chunks are
 // XOR-swizzled by row % 8 (conflict-free ldmatrix phases).
@@ -99,6 +122,42 @@ __device__ int build_visit_list(const int32_t* row, int count, const int32_t* cu
     total += __shfl_sync(0xffffffffu, incl, 31);
   }
   return total;
+}
+
+// C128 forward: the visit list of every (b, h, query cube) row, entries
+// attn_qat_visit_entry(block, valid tokens) in visiting order and the count; one warp per row.
+__global__ void __launch_bounds__(256) visit_lists_kernel(const int32_t* sel_index, const int32_t* sel_count,
+                                                          const int32_t* cube_tokens, const int32_t* block_tokens,
+                                                          int bpc, int topk, int64_t rows, int32_t* entries,
+                                                          int32_t* counts) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const int32_t* r = sel_index + row * topk;
+  const int count = sel_count[row];
+  int32_t* out = entries + row * static_cast<int64_t>(topk) * bpc;
+  int total = 0;
+  for (int base = 0; base < count; base += 32) {
+    const int i = base + lane;
+    int nb = 0, cube = 0;
+    if (i < count) {
+      cube = r[i];
+      nb = (cube_tokens[cube] + kBT - 1) / kBT;
+    }
+    int incl = nb;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    const int excl = total + incl - nb;
+    for (int s = 0; s < nb; ++s) {
+      const int blk = cube * bpc + s;
+      out[excl + s] = attention::attn_qat_visit_entry(blk, block_tokens[blk]);
+    }
+    total += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) counts[row] = total;
 }
 
 struct FineParams {
@@ -663,12 +722,68 @@ void set_smem(Kernel kernel, size_t bytes, const VsaConfig& c, const char* what)
 
 }  // namespace
 
+size_t fine_forward_scratch_bytes(const VsaConfig& c) {
+  if (vsa_fine_forward_kernel(c.tiling.blocks_per_cube) != VsaFineForward::kWgmmaPairs) return 0;
+  const size_t rows = static_cast<size_t>(c.batch) * c.heads * c.tiling.num_cubes;
+  const size_t entries = rows * static_cast<size_t>(c.topk) * c.tiling.blocks_per_cube * 4;
+  return (entries + 255) / 256 * 256 + (rows * 4 + 255) / 256 * 256;
+}
+
 void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
                          const int32_t* sel_index, const int32_t* sel_count, void* o_tiled, void* o_hp_tiled,
-                         float* m, float* l, cudaStream_t stream) {
+                         float* m, float* l, void* scratch, cudaStream_t stream) {
   VQAD_CHECK(c.head_dim == kD, "vsa fine forward: head_dim must be ", kD, " (", detail::shape_str(c), ")");
   VQAD_CHECK(tiled_q && tiled_k && tiled_v && sel_index && sel_count && o_tiled && o_hp_tiled && m && l,
              "vsa fine forward: null buffer (", detail::shape_str(c), ")");
+  const bool qp = c.quantize && c.quant_p;
+  if (vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs) {
+    VQAD_CHECK(scratch != nullptr && reinterpret_cast<uintptr_t>(scratch) % 256 == 0,
+               "vsa fine forward: a 256-byte aligned scratch of ", fine_forward_scratch_bytes(c),
+               " bytes is required (", detail::shape_str(c), ")");
+    VQAD_CHECK(static_cast<int64_t>(c.tiling.num_cubes) * c.tiling.blocks_per_cube <=
+                   static_cast<int64_t>(attention::kAttnQatVisitMaxBlock) + 1,
+               "vsa fine forward: more physical blocks than a visit entry holds (", detail::shape_str(c), ")");
+    const int64_t rows = static_cast<int64_t>(c.batch) * c.heads * c.tiling.num_cubes;
+    const int stride = c.topk * c.tiling.blocks_per_cube;
+    int32_t* entries = static_cast<int32_t*>(scratch);
+    int32_t* counts = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(scratch) +
+                                                 (static_cast<size_t>(rows) * stride * 4 + 255) / 256 * 256);
+    VQAD_CHECK((rows + 7) / 8 <= 0x7fffffff, "vsa fine forward: too many rows (", detail::shape_str(c), ")");
+    visit_lists_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
+        sel_index, sel_count, c.tiling.cube_tokens, c.tiling.block_tokens, c.tiling.blocks_per_cube, c.topk, rows,
+        entries, counts);
+    VQAD_CUDA_CHECK_LAUNCH("vsa visit_lists_kernel");
+    // Tiled [B, H, P, D] as BLHD strides: b = H * P * D, l = D, h = P * D.
+    const int64_t P = c.tiling.padded_len;
+    const attention::BlhdStrides st{static_cast<int64_t>(c.heads) * P * kD, kD, P * kD, 1};
+    attention::AttnQatFwdParams fp{};
+    fp.q = tiled_q;
+    fp.k = tiled_k;
+    fp.v = tiled_v;
+    fp.q_stride = fp.k_stride = fp.v_stride = st;
+    fp.o = o_tiled;
+    fp.o_hp = o_hp_tiled;
+    fp.o_stride = fp.o_hp_stride = st;
+    fp.m = m;
+    fp.l = l;
+    fp.batch = c.batch;
+    fp.heads = c.heads;
+    fp.len_q = fp.len_kv = static_cast<int>(P);  // one 128-row query tile per cube
+    fp.head_dim = kD;
+    fp.softmax_scale = c.softmax_scale > 0.0f ? c.softmax_scale : 0.0f;  // 0: 1/sqrt(D), as base_params
+    fp.quant_p = qp;
+    // q_block_rows: a query cube of one physical block leaves the CTA's second
+    // warpgroup idle (its rows are padding and are not written).
+    const attention::AttnQatFwdVisit visit{entries, counts, stride, c.tiling.block_tokens};
+    try {
+      attention::launch_attn_qat_fwd_visit(fp, visit, stream);
+    } catch (const vqad::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw vqad::Error(std::string("vsa fine forward (C128 wgmma): ") + e.what() + " (" + detail::shape_str(c) + ")");
+    }
+    return;
+  }
   FineParams p = base_params(c);
   p.q = static_cast<const bf16*>(tiled_q);
   p.k = static_cast<const bf16*>(tiled_k);
@@ -681,7 +796,6 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
   p.list_count = sel_count;
   p.list_stride = c.topk;
   const size_t smem = fwd_smem_bytes(c.topk * c.tiling.blocks_per_cube);
-  const bool qp = c.quantize && c.quant_p;
   auto launch = [&](auto kernel) {
     set_smem(kernel, smem, c, "fine forward");
     kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
@@ -753,6 +867,82 @@ void launch_fine_dq(const VsaConfig& c, const void* tiled_q, const void* tiled_k
   set_smem(fine_dq_kernel, smem, c, "fine dQ");
   fine_dq_kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
   VQAD_CUDA_CHECK_LAUNCH("vsa fine_dq_kernel");
+}
+
+size_t fine_backward_scratch_bytes(const VsaConfig& c) {
+  if (vsa_fine_forward_kernel(c.tiling.blocks_per_cube) != VsaFineForward::kWgmmaPairs) return 0;
+  const size_t rows = static_cast<size_t>(c.batch) * c.heads * c.tiling.num_cubes;
+  const size_t bpc = c.tiling.blocks_per_cube;
+  auto a256 = [](size_t x) { return (x + 255) / 256 * 256; };
+  return a256(rows * c.topk * bpc * 4) + a256(rows * static_cast<size_t>(c.tiling.num_cubes) * bpc * 4) +
+         2 * a256(rows * 4);
+}
+
+void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
+                           const void* d_o_tiled, const void* stats, const int32_t* sel_index,
+                           const int32_t* sel_count, const int32_t* inv_index, const int32_t* inv_count,
+                           void* dq_tiled, void* dk_tiled, void* dv_tiled, void* scratch, cudaStream_t stream) {
+  VQAD_CHECK(vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs,
+             "vsa fine backward (wgmma): only for 2 physical blocks per cube (", shape_str(c), ")");
+  VQAD_CHECK(scratch != nullptr && reinterpret_cast<uintptr_t>(scratch) % 256 == 0,
+             "vsa fine backward: a 256-byte aligned scratch of ", fine_backward_scratch_bytes(c),
+             " bytes is required (", shape_str(c), ")");
+  const int64_t rows = static_cast<int64_t>(c.batch) * c.heads * c.tiling.num_cubes;
+  const int bpc = c.tiling.blocks_per_cube, nc = c.tiling.num_cubes;
+  auto a256 = [](size_t x) { return (x + 255) / 256 * 256; };
+  uint8_t* cur = static_cast<uint8_t*>(scratch);
+  int32_t* kv_entries = reinterpret_cast<int32_t*>(cur);
+  cur += a256(static_cast<size_t>(rows) * c.topk * bpc * 4);
+  int32_t* q_entries = reinterpret_cast<int32_t*>(cur);
+  cur += a256(static_cast<size_t>(rows) * nc * bpc * 4);
+  int32_t* kv_counts = reinterpret_cast<int32_t*>(cur);
+  cur += a256(static_cast<size_t>(rows) * 4);
+  int32_t* q_counts = reinterpret_cast<int32_t*>(cur);
+  VQAD_CHECK((rows + 7) / 8 <= 0x7fffffff, "vsa fine backward: too many rows (", shape_str(c), ")");
+  const unsigned grid = static_cast<unsigned>((rows + 7) / 8);
+  // The forward's visit lists (dQ) and the inverse lists expanded to query blocks (dK/dV).
+  visit_lists_kernel<<<grid, 256, 0, stream>>>(sel_index, sel_count, c.tiling.cube_tokens, c.tiling.block_tokens,
+                                               bpc, c.topk, rows, kv_entries, kv_counts);
+  VQAD_CUDA_CHECK_LAUNCH("vsa visit_lists_kernel (dQ)");
+  visit_lists_kernel<<<grid, 256, 0, stream>>>(inv_index, inv_count, c.tiling.cube_tokens, c.tiling.block_tokens,
+                                               bpc, nc, rows, q_entries, q_counts);
+  VQAD_CUDA_CHECK_LAUNCH("vsa visit_lists_kernel (dK/dV)");
+
+  const FineParams fp = base_params(c);
+  const int64_t P = c.tiling.padded_len;
+  const int64_t sb = static_cast<int64_t>(c.heads) * P * kD, sh = P * kD, sl = kD;
+  auto in = [&](const void* x) { return attn_bwd::InTensor{static_cast<const bf16*>(x), sb, sl, sh}; };
+  auto out = [&](void* x) { return attn_bwd::OutTensor{static_cast<bf16*>(x), sb, sl, sh}; };
+  attn_bwd::KernelParams kp{};
+  kp.B = c.batch;
+  kp.H = c.heads;
+  kp.Lq = kp.Lkv = static_cast<int>(P);
+  kp.scale = fp.scale;
+  kp.c = fp.c;
+  kp.q = in(tiled_q);
+  kp.k = in(tiled_k);
+  kp.v = in(tiled_v);
+  kp.dout = in(d_o_tiled);
+  kp.ohp = attn_bwd::InTensor{nullptr, 0, 0, 0};
+  kp.dq = out(dq_tiled);
+  kp.dk = out(dk_tiled);
+  kp.dv = out(dv_tiled);
+  kp.stats = static_cast<float4*>(const_cast<void*>(stats));
+  attn_bwd::VisitLists vl{};
+  vl.q_entries = q_entries;
+  vl.q_counts = q_counts;
+  vl.q_stride = nc * bpc;
+  vl.kv_entries = kv_entries;
+  vl.kv_counts = kv_counts;
+  vl.kv_stride = c.topk * bpc;
+  vl.key_rows = c.tiling.block_tokens;
+  vl.kv_tiles = vl.q_tiles = nc;
+  const AttnQatBwdPMode mode = !(c.quantize && c.quant_p) ? AttnQatBwdPMode::kNone
+                               : c.bwd_fastvideo          ? AttnQatBwdPMode::kFastVideo
+                                                          : AttnQatBwdPMode::kConsistent;
+  int device = 0;
+  VQAD_CUDA_CHECK(cudaGetDevice(&device));
+  attn_bwd::launch_wgmma_visit_kernels(kp, vl, mode, device_info(device), stream);
 }
 
 }  // namespace detail

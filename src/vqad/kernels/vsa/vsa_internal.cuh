@@ -29,4 +29,15 @@ void launch_fine_dq(const VsaConfig& c, const void* tiled_q, const void* tiled_k
                     const int32_t* sel_index, const int32_t* sel_count, void* dq_tiled,
                     cudaStream_t stream);
 
+// C128 (vsa_fine_forward_kernel == kWgmmaPairs): dQ, dK, dV (fine parts, tiled BF16) in
+// one launch of the ATTN_QAT_TRAIN wgmma backward over visit lists (attn_bwd
+// launch_wgmma_visit_kernels): dK/dV per KV cube over the query blocks of the inverse
+// lists, dQ per query cube over the forward's visited blocks; scratch holds
+// fine_backward_scratch_bytes(c).
+size_t fine_backward_scratch_bytes(const VsaConfig& c);
+void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
+                           const void* d_o_tiled, const void* stats, const int32_t* sel_index,
+                           const int32_t* sel_count, const int32_t* inv_index, const int32_t* inv_count,
+                           void* dq_tiled, void* dk_tiled, void* dv_tiled, void* scratch, cudaStream_t stream);
+
 }  // namespace vqad::kernels::vsa::detail

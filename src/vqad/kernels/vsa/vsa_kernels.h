@@ -11,10 +11,12 @@
 // Kernels (all deterministic: no floating-point atomics, fixed summation orders):
 //   tiling gather (+ NVFP4 fake quant of Q / K / V, bit-exact with fake_quant_qkv),
 //   coarse pooling, coarse scores + softmax + out_c, selection (top-k / top-p), the
-//   fine-stage forward over the lists (mma.sync m16n8k16, 64 query rows per CTA, one
-//   64-token physical KV block per step, empty blocks skipped, partial ones masked),
+//   fine-stage forward over the lists (vsa_fine_forward_kernel below; empty blocks
+//   skipped, partial ones masked),
 //   the inverse (KV cube -> query cubes) lists, the fine-stage backward (dK/dV per KV
-//   block over the query cubes that selected it, dQ per query block over its list),
+//   block over the query cubes that selected it, dQ per query block over its list; C128
+//   on the ATTN_QAT_TRAIN wgmma backward with visit lists, one CTA per cube, C64 on
+//   mma.sync),
 //   the coarse backward and the gated combine / scatter back to raster order.
 // Errors (shapes, alignment, devices) throw vqad::Error naming the stage and the shape.
 #pragma once
@@ -25,12 +27,32 @@
 
 namespace vqad::kernels::vsa {
 
-// Tokens per physical block: the fine stage's BLOCK_M (query rows per CTA) and BLOCK_N.
+// Tokens per physical block: BLOCK_N of the mma.sync fine kernels and half the KV tile
+// of the wgmma forward.
 inline constexpr int kVsaBlockTokens = 64;
-// Visited physical blocks per running-max tile of the fine forward (vsa_ref Options::tile_blocks):
-// the kernel updates the row max, quantizes P in 16-key groups and accumulates once per
-// visited 64-key block, so the CPU reference must run with tile_blocks = 1.
-inline constexpr int kVsaTileBlocks = 1;
+
+// Fine-stage forward kernel by cube shape (blocks_per_cube), chosen by the launcher:
+//   kWgmmaPairs (C128, 2 blocks per cube): the ATTN_QAT_TRAIN wgmma forward of
+//     kernels/attention/sm90 with its visit-list KV source (attn_qat_fwd_visit.h): one
+//     CTA of 128 query rows = one query cube (its two physical blocks share one list),
+//     KV tiles of 128 keys = two consecutive visited blocks (a last odd one leaves the
+//     other half masked), the dense kernel's skewed two-warpgroup schedule.
+//   kMmaSyncBlocks (C64, 1 block per cube): vsa_fine.cu's mma.sync forward, 64 query
+//     rows per CTA, one visited block per step (a 128-row CTA would span two query
+//     cubes with different lists).
+enum class VsaFineForward { kWgmmaPairs, kMmaSyncBlocks };
+constexpr VsaFineForward vsa_fine_forward_kernel(int blocks_per_cube) {
+  return blocks_per_cube == 2 ? VsaFineForward::kWgmmaPairs : VsaFineForward::kMmaSyncBlocks;
+}
+// Visited physical blocks per running-max tile of that forward (vsa_ref Options::tile_blocks):
+// the running max, the 16-key P quantization groups and the row sums restart per tile, so
+// the CPU reference must run with this value for the cube shape.
+inline constexpr int kVsaTileBlocksC128 = 2;
+inline constexpr int kVsaTileBlocksC64 = 1;
+constexpr int vsa_tile_blocks(int blocks_per_cube) {
+  return vsa_fine_forward_kernel(blocks_per_cube) == VsaFineForward::kWgmmaPairs ? kVsaTileBlocksC128
+                                                                                   : kVsaTileBlocksC64;
+}
 // The only head dimension the kernels support.
 inline constexpr int kVsaHeadDim = 128;
 
@@ -126,10 +148,13 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
 void launch_tile(const VsaConfig& c, RasterIn src, void* dst_tiled, bool quantize, cudaStream_t stream);
 
 // Fine-stage forward over the lists: o (quantized-P path) and o_hp (BF16-P path; equal to
-// o without P quantization) tiled BF16, m and l [B, H, P]; rows of empty query blocks are
-// not written.
+// o without P quantization) tiled BF16, m and l [B, H, P]; scratch holds
+// fine_forward_scratch_bytes(c) (256-byte aligned; the C128 visit lists). Rows of empty
+// query blocks are not written.
+size_t fine_forward_scratch_bytes(const VsaConfig& c);
 void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* tiled_k,
                          const void* tiled_v, const int32_t* sel_index, const int32_t* sel_count,
-                         void* o_tiled, void* o_hp_tiled, float* m, float* l, cudaStream_t stream);
+                         void* o_tiled, void* o_hp_tiled, float* m, float* l, void* scratch,
+                         cudaStream_t stream);
 
 }  // namespace vqad::kernels::vsa

@@ -499,7 +499,7 @@ void launch_tile(const VsaConfig& c, RasterIn src, void* dst_tiled, bool quantiz
 
 size_t vsa_forward_workspace_bytes(const VsaConfig& c) {
   const Sizes s = sizes_of(c);
-  return align256(s.tiled_bf16) + align256(s.square * 4);
+  return align256(s.tiled_bf16) + align256(s.square * 4) + align256(fine_forward_scratch_bytes(c));
 }
 
 void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t stream) {
@@ -519,6 +519,7 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   uint8_t* cur = static_cast<uint8_t*>(a.workspace);
   void* o_fine = carve<uint8_t>(cur, s.tiled_bf16);
   float* scores = carve<float>(cur, s.square * 4);
+  void* fine_scratch = carve<uint8_t>(cur, fine_forward_scratch_bytes(c));
   const int H = c.heads, nc = c.tiling.num_cubes;
   const int cube_slots = c.tiling.blocks_per_cube * kBT;
   const dim3 cube_grid(static_cast<unsigned>(nc), static_cast<unsigned>(H), static_cast<unsigned>(c.batch));
@@ -553,7 +554,7 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   }
   // 4. fine stage (o_fine: quantized-P path; o_fine_hp saved)
   launch_fine_forward(c, a.tiled_q, a.tiled_k, a.tiled_v, a.sel_index, a.sel_count, o_fine, a.o_fine_hp, a.m, a.l,
-                      stream);
+                      fine_scratch, stream);
   // 5. out = bf16(out_c * gate + o_fine)
   const int64_t total = static_cast<int64_t>(c.batch) * c.tiling.len * H * (kD / 8);
   combine_kernel<<<grid_for(total, 256), 256, 0, stream>>>(
@@ -566,7 +567,8 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
 size_t vsa_backward_workspace_bytes(const VsaConfig& c) {
   const Sizes s = sizes_of(c);
   return 4 * align256(s.tiled_bf16) + align256(s.tiled_rows * 16) + align256(s.square) + align256(s.square * 4) +
-         align256(static_cast<size_t>(s.bh) * s.nc * 4) + 4 * align256(s.coarse) + align256(s.square * 4);
+         align256(static_cast<size_t>(s.bh) * s.nc * 4) + 4 * align256(s.coarse) + align256(s.square * 4) +
+         align256(detail::fine_backward_scratch_bytes(c));
 }
 
 void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t stream) {
@@ -598,14 +600,20 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
   float* dk_c = carve<float>(cur, s.coarse);
   float* dv_c = carve<float>(cur, s.coarse);
   float* dscores = carve<float>(cur, s.square * 4);
+  void* fine_scratch = carve<uint8_t>(cur, detail::fine_backward_scratch_bytes(c));
   const int H = c.heads, nc = c.tiling.num_cubes;
   const int cube_slots = c.tiling.blocks_per_cube * kBT;
   const dim3 cube_grid(static_cast<unsigned>(nc), static_cast<unsigned>(H), static_cast<unsigned>(c.batch));
 
-  // Fine stage: dO tiled, row statistics, dQ over the lists, dK / dV over the inverse lists.
+  // Fine stage: dO tiled, row statistics, the inverse lists, dQ over the lists and dK / dV
+  // over the inverse lists (C128: one wgmma launch; C64: the mma.sync kernels).
+  const bool wgmma_bwd = vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs;
   launch_tile(c, a.d_o, d_o_t, false, stream);
   detail::launch_fine_stats(c, d_o_t, a.o_fine_hp, a.m, a.l, stats, stream);
-  detail::launch_fine_dq(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, a.sel_index, a.sel_count, dq_f, stream);
+  if (!wgmma_bwd) {
+    detail::launch_fine_dq(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, a.sel_index, a.sel_count, dq_f,
+                           stream);
+  }
   VQAD_CUDA_CHECK(cudaMemsetAsync(mask, 0, s.square, stream));
   {
     const int64_t rows = s.bh * s.nc;
@@ -616,8 +624,13 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
     inverse_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(mask, inv_index, inv_count, rows, nc);
     VQAD_CUDA_CHECK_LAUNCH("vsa inverse_kernel");
   }
-  detail::launch_fine_dkdv(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, inv_index, inv_count, dk_f, dv_f,
-                           stream);
+  if (wgmma_bwd) {
+    detail::launch_fine_bwd_wgmma(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, a.sel_index, a.sel_count,
+                                  inv_index, inv_count, dq_f, dk_f, dv_f, fine_scratch, stream);
+  } else {
+    detail::launch_fine_dkdv(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, inv_index, inv_count, dk_f, dv_f,
+                             stream);
+  }
 
   // Coarse stage (only with a gate: a zero gate gives out_c no gradient).
   const bool has_gate = a.gate.p != nullptr;

@@ -135,6 +135,27 @@ void launch_mma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const Devi
                         cudaStream_t stream);
 void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
                           cudaStream_t stream);
+// Visit-list form of the wgmma backward (the recompute variant: dK/dV CTAs of 128
+// keys, then dQ CTAs of 128 queries, one launch), for the VSA fine stage (kernels/vsa).
+// Entries are attn_qat_fwd_visit.h's (block << 7) | valid rows of 64-row blocks.
+struct VisitLists {
+  // dK/dV CTA = 128-key tile t of (b, h): the 64-row query blocks to visit (ascending),
+  // row (b * H + h) * kv_tiles + t; an empty list writes zero dK, dV.
+  const int32_t* q_entries;
+  const int32_t* q_counts;
+  int q_stride;
+  // dQ CTA = 128-row query tile t: the visited 64-row KV blocks in the forward's order,
+  // two per 128-key step (a last odd one leaves the other half masked).
+  const int32_t* kv_entries;
+  const int32_t* kv_counts;
+  int kv_stride;
+  // [Lkv / 64]: valid rows of each 64-row block (all b, h); self-attention over one
+  // tiling, so also the query blocks' (a warpgroup of only padding rows idles).
+  const int32_t* key_rows;
+  int kv_tiles, q_tiles;
+};
+void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, AttnQatBwdPMode mode,
+                                const DeviceInfo& dev, cudaStream_t stream);
 // Benchmark knob of the wgmma dQ kernel: keys per block, 64 or 128 (default).
 void set_dq_key_tile_for_tuning(int key_tile);
 // Benchmark knob: dK/dV and dQ in one launch (default) or two.

@@ -34,10 +34,14 @@
 
 #include "vqad/core/error.h"
 #include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
+#include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
 
 namespace vqad::kernels::attn_bwd {
 namespace {
+
+using attention::kAttnQatVisitBlockRows;
+using attention::kAttnQatVisitCountBits;
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define VQAD_ATTN_BWD_WGMMA 1
@@ -61,6 +65,23 @@ __device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const InTensor& t,
     const int gr = row0 + r;
     const bool ok = gr < len;
     cp_async16(dst + sw128(r, ch, ROWS), base + static_cast<int64_t>(ok ? gr : 0) * t.sl + ch * 8, ok);
+  }
+}
+
+// One 64-row block (visit entry e = (block << 7) | valid rows) into rows
+// [half * 64, half * 64 + 64) of a ROWS-row swizzled tile; rows past the valid count
+// are zero-filled.
+template <int ROWS, int NT>
+__device__ __forceinline__ void load_block_sw128(uint8_t* dst, const InTensor& t, int b, int h, int e,
+                                                 int half, int tid) {
+  const bf16* base = t.p + b * t.sb + h * t.sh;
+  const int blk = e >> kAttnQatVisitCountBits, n = e & ((1 << kAttnQatVisitCountBits) - 1);
+#pragma unroll
+  for (int i = tid; i < kAttnQatVisitBlockRows * 16; i += NT) {
+    const int r = i / 16, ch = i % 16;
+    const bool ok = r < n;
+    cp_async16(dst + sw128(half * kAttnQatVisitBlockRows + r, ch, ROWS),
+               base + static_cast<int64_t>(ok ? blk * kAttnQatVisitBlockRows + r : 0) * t.sl + ch * 8, ok);
   }
 }
 
@@ -177,10 +198,14 @@ constexpr size_t dq_smem(int key_tile) {
 #ifdef VQAD_ATTN_BWD_WGMMA
 // Query blocks [q_begin, q_end) of key block kv_block (q_end < 0: all). With
 // part_out (tail split, kDq only) dK and dV go there as fp32 [2][128 keys][128].
-template <AttnQatBwdPMode MODE, bool kDq>
+// VISIT (launch_wgmma_visit_kernels): the query blocks come from vl's list of this key
+// tile (step i visits block q_entries[i] >> 7), the valid keys of each warpgroup's 64
+// from vl.key_rows; without it the blocks are [q_begin, q_end) and keys < Lkv.
+template <AttnQatBwdPMode MODE, bool kDq, bool VISIT = false>
 __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, int b, int h,
                                           int kv_block, int q_begin = 0, int q_end = -1,
-                                          float* part_out = nullptr) {
+                                          float* part_out = nullptr, const VisitLists* vl = nullptr) {
+  static_assert(!(VISIT && kDq), "the visit-list backward uses the recompute dQ");
   constexpr int kTileK = kKeysPerCta * kD * 2, kTileQ = kQueryTile * kD * 2;
   uint8_t* sK = smem;
   uint8_t* sV = sK + kTileK;
@@ -210,7 +235,22 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   };
   const int nq = (p.Lq + kQueryTile - 1) / kQueryTile;
   if (q_end < 0) q_end = nq;
-  load_q_block(q_begin, 0);
+  // The list row of this key tile (VISIT); qblock(i) is the query block of step i.
+  const int32_t* qlist = nullptr;
+  if constexpr (VISIT) {
+    const int64_t row = (static_cast<int64_t>(b) * p.H + h) * vl->kv_tiles + kv_block;
+    qlist = vl->q_entries + row * vl->q_stride;
+    q_begin = 0;
+    q_end = __ldg(vl->q_counts + row);
+  }
+  auto qblock = [&](int i) { return VISIT ? (__ldg(qlist + i) >> kAttnQatVisitCountBits) : i; };
+  int q_next = 0;  // VISIT: block of step i + 1, read one step ahead
+  if constexpr (VISIT) {
+    if (q_end > 0) load_q_block(qblock(0), 0);
+    if (q_end > 1) q_next = qblock(1);
+  } else {
+    load_q_block(q_begin, 0);
+  }
   cp_async_commit();
   if (kScaleTable && tid < 128) {  // visible after the first barrier of the loop
     const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
@@ -224,8 +264,13 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
   const int key_row0 = kv0 + wg * 64 + wq * 16 + g;  // this lane's keys: key_row0, +8
-  const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > p.Lkv;
-  const bool key_ok0 = key_row0 < p.Lkv, key_ok1 = key_row0 + 8 < p.Lkv;
+  // Valid keys of this warpgroup's 64 rows: [kv0 + wg * 64, key_end).
+  const int key_end = VISIT ? kv0 + wg * 64 + __ldg(vl->key_rows + kv_block * 2 + wg) : p.Lkv;
+  const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > key_end;
+  const bool key_ok0 = key_row0 < key_end, key_ok1 = key_row0 + 8 < key_end;
+  // VISIT: a warpgroup whose 64 keys are all padding (a KV cube of one physical block)
+  // only loads its share of the tiles and meets the barriers (broadcast: warp-uniform).
+  const bool idle = VISIT && __shfl_sync(0xffffffffu, key_end == kv0 + wg * 64 ? 1 : 0, 0) != 0;
   const uint32_t aK = smem_u32(sK), aV = smem_u32(sV);
 
   // Ordered dQ (kDq): this CTA's place in the chain of its partial sum.
@@ -256,7 +301,22 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     sem_advance(dq_turn + qb);
   };
 
-  for (int qb = q_begin; qb < q_end; ++qb) {
+  if constexpr (VISIT) {
+    if (idle) {  // the barriers and loads of the loop below, nothing else
+      for (int qb = q_begin; qb < q_end; ++qb) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (qb + 1 < q_end) {
+          load_q_block(q_next, (qb + 1 - q_begin) % kStages);
+          cp_async_commit();
+        }
+        if (qb + 2 < q_end) q_next = qblock(qb + 2);
+      }
+      q_end = q_begin;
+    }
+  }
+  for (int qb = q_begin; qb < q_end; ++qb) {  // VISIT: qb is the step, the block is qblock(qb)
     const int stage = (qb - q_begin) % kStages;
     cp_async_wait<0>();
     fence_proxy_async();  // cp.async data -> visible to the wgmma (async proxy)
@@ -282,8 +342,11 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     wgmma_commit();
     // Prefetch the next block into the other stage while the tensor cores run.
     if (qb + 1 < q_end) {
-      load_q_block(qb + 1, (qb + 1 - q_begin) % kStages);
+      load_q_block(VISIT ? q_next : qb + 1, (qb + 1 - q_begin) % kStages);
       cp_async_commit();
+    }
+    if constexpr (VISIT) {
+      if (qb + 2 < q_end) q_next = qblock(qb + 2);
     }
     wgmma_wait<1>();  // S^T done; dP^T may still run
     fence_regs(flat(s));
@@ -406,9 +469,13 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N], uint64_t da, uint64_t db
 
 // Per key block of KT keys (per warpgroup, 64 queries): S and dP issued as two groups;
 // exp2 overlaps dP; dQ issued.
-template <int KT>  // keys per block
+// VISIT: the key tiles are pairs of 64-row blocks of vl's list of this query tile
+// (gathered into the tile's halves, rows past a block's valid count zero-filled and
+// masked); without it tile kb is keys [kb * KT, kb * KT + KT) < Lkv.
+template <int KT, bool VISIT = false>  // keys per block
 __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, int b, int h,
-                                        int q_block) {
+                                        int q_block, const VisitLists* vl = nullptr) {
+  static_assert(!VISIT || KT == 2 * kQueryTile, "visit tiles are two 64-row blocks");
   constexpr int kTileQ = kQueriesPerCta * kD * 2, kTileK = KT * kD * 2;
   uint8_t* sQ = smem;
   uint8_t* sdO = sQ + kTileQ;
@@ -426,7 +493,27 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
     load_tile_sw128<KT, kThreads>(sK + stage * kTileK, p.k, b, h, kb * KT, p.Lkv, tid);
     load_tile_sw128<KT, kThreads>(sV + stage * kTileK, p.v, b, h, kb * KT, p.Lkv, tid);
   };
-  load_kv_block(0, 0);
+  // VISIT: this query tile's list; cur = entries of the tile being computed, nxt = of
+  // the next one (read a step ahead of its cp.async).
+  const int32_t* klist = nullptr;
+  int kcount = 0, cur0 = 0, cur1 = 0, nxt0 = 0, nxt1 = 0;
+  auto kentry = [&](int i) { return i < kcount ? __ldg(klist + i) : 0; };
+  auto load_kv_pair = [&](int e0, int e1, int stage) {
+    load_block_sw128<KT, kThreads>(sK + stage * kTileK, p.k, b, h, e0, 0, tid);
+    load_block_sw128<KT, kThreads>(sK + stage * kTileK, p.k, b, h, e1, 1, tid);
+    load_block_sw128<KT, kThreads>(sV + stage * kTileK, p.v, b, h, e0, 0, tid);
+    load_block_sw128<KT, kThreads>(sV + stage * kTileK, p.v, b, h, e1, 1, tid);
+  };
+  if constexpr (VISIT) {
+    const int64_t row = (static_cast<int64_t>(b) * p.H + h) * vl->q_tiles + q_block;
+    klist = vl->kv_entries + row * vl->kv_stride;
+    kcount = __ldg(vl->kv_counts + row);
+    cur0 = kentry(0), cur1 = kentry(1);
+    nxt0 = kentry(2), nxt1 = kentry(3);
+    load_kv_pair(cur0, cur1, 0);
+  } else {
+    load_kv_block(0, 0);
+  }
   cp_async_commit();
 
   const int row0 = q0 + wg * 64 + wq * 16 + g;  // this lane's queries: row0, row0 + 8
@@ -442,7 +529,26 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
     for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
 
   const uint32_t aQ = smem_u32(sQ), adO = smem_u32(sdO);
-  const int nk = (p.Lkv + KT - 1) / KT;
+  int nk = VISIT ? (kcount + 1) / 2 : (p.Lkv + KT - 1) / KT;
+  // VISIT: a warpgroup whose 64 queries are all padding (a query cube of one physical
+  // block) only loads its share of the tiles and meets the barriers; its dQ rows are 0.
+  const bool idle =
+      VISIT && __shfl_sync(0xffffffffu, __ldg(vl->key_rows + q_block * 2 + wg) == 0 ? 1 : 0, 0) != 0;
+  if constexpr (VISIT) {
+    if (idle) {  // the barriers and loads of the loop below, nothing else
+      for (int kb = 0; kb < nk; ++kb) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (kb + 1 < nk) {
+          load_kv_pair(nxt0, nxt1, (kb + 1) % kStages);
+          cp_async_commit();
+        }
+        nxt0 = kentry(2 * kb + 4), nxt1 = kentry(2 * kb + 5);
+      }
+      nk = 0;
+    }
+  }
   for (int kb = 0; kb < nk; ++kb) {
     const int stage = kb % kStages;
     cp_async_wait<0>();
@@ -464,13 +570,19 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
                    desc_kmajor(aV, KT, 0, kk), kk > 0);
     wgmma_commit();
     if (kb + 1 < nk) {  // prefetch the next block while the tensor cores run
-      load_kv_block(kb + 1, (kb + 1) % kStages);
+      if constexpr (VISIT) {
+        load_kv_pair(nxt0, nxt1, (kb + 1) % kStages);
+      } else {
+        load_kv_block(kb + 1, (kb + 1) % kStages);
+      }
       cp_async_commit();
     }
     wgmma_wait<1>();  // S done; dP may still run
     fence_regs(flat(s));
 
-    const bool key_tail = kb * KT + KT > p.Lkv;
+    // Keys of the tile: [0, key_n0) valid, and with VISIT the second half's [64, 64 + key_n1).
+    const int key_n0 = VISIT ? (cur0 & 127) : p.Lkv - kb * KT, key_n1 = VISIT ? (cur1 & 127) : 0;
+    const bool key_tail = VISIT ? (key_n0 < kQueryTile || key_n1 < kQueryTile) : kb * KT + KT > p.Lkv;
     float pr[KT / 8][4];  // P (kept apart from the accumulator registers of S)
 #pragma unroll
     for (int j = 0; j < KT / 8; ++j) {
@@ -478,7 +590,12 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
       for (int e = 0; e < 2; ++e) {
         float p0 = fast_exp2(fmaf(s[j][e], p.c, -st0.x)) * st0.y;
         float p1 = fast_exp2(fmaf(s[j][2 + e], p.c, -st1.x)) * st1.y;
-        if (key_tail && kb * KT + j * 8 + 2 * t4 + e >= p.Lkv) p0 = p1 = 0.0f;
+        if constexpr (VISIT) {
+          const bool hi = j >= KT / 16;  // second 64-row block of the tile
+          if (key_tail && (j % (KT / 16)) * 8 + 2 * t4 + e >= (hi ? key_n1 : key_n0)) p0 = p1 = 0.0f;
+        } else {
+          if (key_tail && kb * KT + j * 8 + 2 * t4 + e >= p.Lkv) p0 = p1 = 0.0f;
+        }
         pr[j][e] = p0;
         pr[j][2 + e] = p1;
       }
@@ -499,6 +616,10 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
     wgmma_commit();
     wgmma_wait<0>();  // see dkdv_wgmma_kernel
     fence_regs(flat(dq));
+    if constexpr (VISIT) {
+      cur0 = nxt0, cur1 = nxt1;
+      nxt0 = kentry(2 * kb + 4), nxt1 = kentry(2 * kb + 5);
+    }
   }
 
   bf16* dq_base = p.dq.p + b * p.dq.sb + h * p.dq.sh;
@@ -556,6 +677,30 @@ __global__ void __launch_bounds__(kThreads, 1) fused_wgmma_kernel(const KernelPa
     const int blk = static_cast<int>(idx % q_blocks);
     idx /= q_blocks;
     dq_body<KT>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk);
+  }
+#endif
+}
+
+// The visit-list form of fused_wgmma_kernel (launch_wgmma_visit_kernels): dK/dV CTAs
+// over their query-block lists first, then dQ CTAs over their key-block lists.
+template <AttnQatBwdPMode MODE>
+__global__ void __launch_bounds__(kThreads, 1) fused_visit_kernel(const KernelParams p,
+                                                                 const __grid_constant__ VisitLists vl) {
+#ifdef VQAD_ATTN_BWD_WGMMA
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = aligned_smem(smem_raw);
+  const int64_t dkdv_ctas = static_cast<int64_t>(p.B) * p.H * vl.kv_tiles;
+  int64_t idx = blockIdx.x;
+  if (idx < dkdv_ctas) {
+    const int blk = static_cast<int>(idx % vl.kv_tiles);
+    idx /= vl.kv_tiles;
+    dkdv_body<MODE, false, true>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, 0, -1,
+                                 nullptr, &vl);
+  } else {
+    idx -= dkdv_ctas;
+    const int blk = static_cast<int>(idx % vl.q_tiles);
+    idx /= vl.q_tiles;
+    dq_body<2 * kQueryTile, true>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, &vl);
   }
 #endif
 }
@@ -759,6 +904,31 @@ void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const De
     }
     VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_wgmma_kernel");
   }
+}
+
+void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, AttnQatBwdPMode mode,
+                                const DeviceInfo& dev, cudaStream_t stream) {
+  VQAD_CHECK(dev.arch() == 90, "attn_qat_bwd (visit lists): the wgmma kernels need sm_90 (built for sm_90a), "
+             "device ", dev.name, " is sm_", dev.arch());
+  const int kv_tiles = (kp.Lkv + kKeysPerCta - 1) / kKeysPerCta;
+  const int q_tiles = (kp.Lq + kQueriesPerCta - 1) / kQueriesPerCta;
+  VQAD_CHECK(vl.q_entries && vl.q_counts && vl.kv_entries && vl.kv_counts && vl.key_rows && vl.q_stride >= 1 &&
+                 vl.kv_stride >= 1 && vl.kv_tiles == kv_tiles && vl.q_tiles == q_tiles,
+             "attn_qat_bwd (visit lists): lists missing or not of the shape (key tiles ", vl.kv_tiles, " vs ",
+             kv_tiles, ", query tiles ", vl.q_tiles, " vs ", q_tiles, ")");
+  const int64_t ctas = static_cast<int64_t>(kp.B) * kp.H * (kv_tiles + q_tiles);
+  VQAD_CHECK(ctas <= 0x7fffffff, "attn_qat_bwd (visit lists): too many CTAs (", ctas, ")");
+  const size_t smem = std::max(kDkdvSmem, dq_smem(2 * kQueryTile));
+  auto launch = [&](auto kernel) {
+    set_smem(kernel, smem, dev);
+    kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(kp, vl);
+  };
+  switch (mode) {
+    case AttnQatBwdPMode::kConsistent: launch(fused_visit_kernel<AttnQatBwdPMode::kConsistent>); break;
+    case AttnQatBwdPMode::kFastVideo: launch(fused_visit_kernel<AttnQatBwdPMode::kFastVideo>); break;
+    case AttnQatBwdPMode::kNone: launch(fused_visit_kernel<AttnQatBwdPMode::kNone>); break;
+  }
+  VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd fused_visit_kernel");
 }
 
 void set_wgmma_single_launch_for_tuning(bool single) { g_single_launch = single; }

@@ -33,6 +33,7 @@
 #include <string>
 
 #include "vqad/kernels/attention/attention_qat.h"
+#include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
 #include "vqad/kernels/common/nvfp4_device.cuh"
@@ -444,8 +445,141 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const Tile& t, int row0
   }
 }
 
-template <int BN, bool QUANT_P, bool WGMMA_S, bool WGMMA_PV>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(const AttnQatFwdParams p, float scale_log2) {
+
+// KV-source policies of the kernel: where tile j's keys come from and which of them
+// are masked. Each thread calls load(j) for j = 0, 1, 2, ... in order.
+//
+// DenseKv: keys [j * BN, (j + 1) * BN) of the contiguous K / V; keys past len_kv
+// (last tile only) are zero-filled and masked. This is the dense ATTN_QAT_TRAIN path;
+// inlined it is exactly the code the kernel had before the policy existed.
+struct DenseKv {
+  static constexpr bool kCanIdle = false;  // every warpgroup computes its rows
+  Tile tk, tv;
+  int len;
+  __device__ __forceinline__ static DenseKv make(const AttnQatFwdParams& p, const AttnQatFwdVisit&, int b, int h,
+                                                 int) {
+    using bf = __nv_bfloat16;
+    return DenseKv{{static_cast<const bf*>(p.k) + b * p.k_stride.b + h * p.k_stride.h, p.k_stride.l, p.len_kv},
+                   {static_cast<const bf*>(p.v) + b * p.v_stride.b + h * p.v_stride.h, p.v_stride.l, p.len_kv},
+                   p.len_kv};
+  }
+  template <int BN>
+  __device__ __forceinline__ int n_tiles() const {
+    return (len + BN - 1) / BN;
+  }
+  template <int BN>
+  __device__ __forceinline__ void load(uint32_t dst, int j, int tid) {
+    load_tile<BN>(dst, tk, j * BN, tid);
+    load_tile<BN>(dst + BN * kD * 2, tv, j * BN, tid);
+  }
+  __device__ __forceinline__ int mask_info(int j) const { return j; }
+  template <int BN, int NT>
+  __device__ __forceinline__ void mask(float (&s)[NT][4], int j, int t) const {
+    if ((j + 1) * BN > len) {
+      const int key_base = j * BN + 2 * t;
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (key_base + i * 8 + (e & 1) >= len) s[i][e] = -INFINITY;
+    }
+  }
+};
+
+// VisitKv (attn_qat_fwd_visit.h): tile j = visit entries 2j and 2j + 1 of this query
+// tile's list, each a 64-row block gathered into one half of the 128-key tile (cp.async,
+// the same swizzled layout as load_tile); rows at and past a block's valid count, and
+// the whole second half when 2j + 1 is past the list, are zero-filled and masked. The
+// entries of the next tile to load are prefetched into registers one load ahead, so
+// the cp.async issue after each barrier does not wait on the list read.
+struct VisitKv {
+  static constexpr bool kCanIdle = true;  // see idle()
+  const __nv_bfloat16* kb;
+  const __nv_bfloat16* vb;
+  int64_t ks, vs;          // row strides of K and V
+  const int32_t* entries;  // this query tile's list
+  int count;
+  int pf0, pf1;            // entries of the next tile load() issues
+  const int32_t* q_rows;   // valid rows of this query tile's two 64-row blocks, or null
+  __device__ __forceinline__ int entry(int i) const { return i < count ? __ldg(entries + i) : 0; }
+  __device__ __forceinline__ static VisitKv make(const AttnQatFwdParams& p, const AttnQatFwdVisit& v, int b, int h,
+                                                 int m_block) {
+    using bf = __nv_bfloat16;
+    const int64_t row = (static_cast<int64_t>(b) * p.heads + h) * gridDim.x + m_block;
+    VisitKv kv{static_cast<const bf*>(p.k) + b * p.k_stride.b + h * p.k_stride.h,
+               static_cast<const bf*>(p.v) + b * p.v_stride.b + h * p.v_stride.h,
+               p.k_stride.l,
+               p.v_stride.l,
+               v.entries + row * v.stride,
+               __ldg(v.counts + row),
+               0,
+               0,
+               v.q_block_rows != nullptr ? v.q_block_rows + 2 * m_block : nullptr};
+    kv.pf0 = kv.entry(0);
+    kv.pf1 = kv.entry(1);
+    return kv;
+  }
+  template <int BN>
+  __device__ __forceinline__ int n_tiles() const {
+    return (count + 1) / 2;
+  }
+  // Warpgroup wg's 64 query rows are all padding (a VSA query cube of one physical
+  // block): it skips its MMAs (still loading its share of every tile and meeting every
+  // barrier) and stores nothing.
+  __device__ __forceinline__ bool idle(int wg) const { return q_rows != nullptr && __ldg(q_rows + wg) == 0; }
+  // One 64-row block (entry e; valid rows e & 127, zero-filled past them) into rows
+  // [half * 64, half * 64 + 64) of a [2][BN][64] swizzled tile.
+  template <int BN>
+  __device__ __forceinline__ static void load_block(uint32_t smem, const __nv_bfloat16* base, int64_t stride, int e,
+                                                    int half, int tid) {
+    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    static_assert(kAttnQatVisitBlockRows % kRowsPerPass == 0, "block not divisible");
+    asm volatile("" : "+l"(stride));  // as load_tile: keeps the addresses out of the loop's live set
+    const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
+    const int blk = e >> kAttnQatVisitCountBits, n = e & ((1 << kAttnQatVisitCountBits) - 1);
+    const __nv_bfloat16* src = base + (static_cast<int64_t>(blk) * kAttnQatVisitBlockRows + r0) * stride + c * 8;
+    const uint32_t dst = smem + swz<BN>(half * kAttnQatVisitBlockRows + r0, c);
+#pragma unroll
+    for (int i = 0; i < kAttnQatVisitBlockRows / kRowsPerPass; ++i) {
+      const bool valid = r0 + i * kRowsPerPass < n;
+      cp_async16(dst + i * kRowsPerPass * 128, valid ? src : base, valid);
+      src += kRowsPerPass * stride;
+    }
+  }
+  template <int BN>
+  __device__ __forceinline__ void load(uint32_t dst, int j, int tid) {
+    static_assert(BN == kAttnQatVisitTileBlocks * kAttnQatVisitBlockRows, "visit tiles are two 64-row blocks");
+    const int e0 = pf0, e1 = pf1;
+    load_block<BN>(dst, kb, ks, e0, 0, tid);
+    load_block<BN>(dst, kb, ks, e1, 1, tid);
+    load_block<BN>(dst + BN * kD * 2, vb, vs, e0, 0, tid);
+    load_block<BN>(dst + BN * kD * 2, vb, vs, e1, 1, tid);
+    pf0 = entry(2 * j + 2);
+    pf1 = entry(2 * j + 3);
+  }
+  // Valid keys of tile j's halves, packed (n0 | n1 << 8); read before the Q^ K^T wgmma
+  // (the list row is L1-resident) and used after it.
+  __device__ __forceinline__ int mask_info(int j) const {
+    return (entry(2 * j) & 127) | ((entry(2 * j + 1) & 127) << 8);
+  }
+  template <int BN, int NT>
+  __device__ __forceinline__ void mask(float (&s)[NT][4], int info, int t) const {
+    const int n0 = info & 255, n1 = info >> 8;
+    if (n0 < kAttnQatVisitBlockRows || n1 < kAttnQatVisitBlockRows) {  // uniform per tile
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        const int n = i < NT / 2 ? n0 : n1;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if ((i % (NT / 2)) * 8 + 2 * t + (e & 1) >= n) s[i][e] = -INFINITY;
+      }
+    }
+  }
+};
+
+template <int BN, bool QUANT_P, bool WGMMA_S, bool WGMMA_PV, class KV>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    attn_qat_fwd_kernel(const AttnQatFwdParams p, float scale_log2, const AttnQatFwdVisit visit) {
   constexpr int kNT = BN / 8;   // n8 tiles of S per warp
   constexpr int kKS = BN / 16;  // k16 steps of P.V
   constexpr int kDT = kD / 8;   // n8 tiles of O
@@ -466,8 +600,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
 
   using bf = __nv_bfloat16;
   const Tile tq{static_cast<const bf*>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.l, p.len_q};
-  const Tile tk{static_cast<const bf*>(p.k) + b * p.k_stride.b + h * p.k_stride.h, p.k_stride.l, p.len_kv};
-  const Tile tv{static_cast<const bf*>(p.v) + b * p.v_stride.b + h * p.v_stride.h, p.v_stride.l, p.len_kv};
+  KV kv = KV::make(p, visit, b, h, m_block);
 
   if (QUANT_P && tid < 128) {
     const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
@@ -486,8 +619,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
 #endif
   load_tile<kBM>(sQ, tq, q0, tid);
   cp_async_commit();
-  load_tile<BN>(sKV0, tk, 0, tid);
-  load_tile<BN>(sKV0 + kTileBytes, tv, 0, tid);
+  kv.template load<BN>(sKV0, 0, tid);
   cp_async_commit();
 
   // ldmatrix.x4 lane roles: lane supplies the row address of matrix lane/8, row lane%8.
@@ -524,12 +656,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
   // over the quad and rescaled together with the accumulators.
   float lacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
-  const int n_tiles = (p.len_kv + BN - 1) / BN;
+  const int n_tiles = kv.template n_tiles<BN>();
 #if VQAD_ATTN_FWD_WGMMA
   constexpr bool kPipe = WGMMA_S && WGMMA_PV && kSkew;
 #else
   constexpr bool kPipe = false;
 #endif
+  bool idle_wg = false;  // KV::idle: this warpgroup only loads and meets the barriers
   if constexpr (kPipe) {
 #if VQAD_ATTN_FWD_WGMMA
     static_assert(BN == 128 && kStages == 3, "skewed schedule: BLOCK_N 128, 3 stages");
@@ -537,20 +670,15 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
     // Broadcast from lane 0 so that ptxas sees the warpgroup index as warp-uniform
     // (wgmma in branches on a divergent value would be serialized).
     const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
+    if constexpr (KV::kCanIdle) idle_wg = __shfl_sync(0xffffffffu, kv.idle(wg) ? 1 : 0, 0) != 0;
     const uint32_t a_base = sQ + wg * 64 * 128;
     float (&acch_ref)[16][4] = *reinterpret_cast<float(*)[16][4]>(QUANT_P ? &acch[0][0] : &acc[0][0]);
     float s[kNT][4];
     // QK^T of tile j into s (waited for), tail masking, running max, rescale.
     auto scores = [&](int j, uint32_t sK) {
+      const int mi = kv.mask_info(j);
       qk_wgmma<BN>(s, a_base, sK);
-      if ((j + 1) * BN > p.len_kv) {
-        const int key_base = j * BN + 2 * t;
-#pragma unroll
-        for (int i = 0; i < kNT; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (key_base + i * 8 + (e & 1) >= p.len_kv) s[i][e] = -INFINITY;
-      }
+      kv.template mask<BN>(s, mi, t);
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int i = 0; i < kNT; ++i) {
@@ -595,14 +723,19 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
       __syncthreads();
       if (k + 1 < n_tiles) {
         const uint32_t dst = sKV0 + ((k + 1) % 3) * 2 * kTileBytes;
-        load_tile<BN>(dst, tk, (k + 1) * BN, tid);
-        load_tile<BN>(dst + kTileBytes, tv, (k + 1) * BN, tid);
+        kv.template load<BN>(dst, k + 1, tid);
       }
       cp_async_commit();
     };
     if constexpr (kUnifiedLoop) {
       // One loop body for both warpgroups (half the SASS of the two loops below, which
       // stall on instruction fetch); only the barrier positions depend on wg.
+      if (KV::kCanIdle && idle_wg) {
+        // Either warpgroup meets barriers 0 .. n_tiles in this order; an idle one only
+        // loads its share of each tile at them.
+#pragma unroll 1
+        for (int k = 0; k <= n_tiles; ++k) barrier_and_load(k);
+      } else {
       if (wg == 1) barrier_and_load(0);
 #pragma unroll 1
       for (int j = 0; j < n_tiles; ++j) {
@@ -620,6 +753,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
         wgmma_wait0();
       }
       if (wg == 0) barrier_and_load(n_tiles);
+      }  // not idle
     } else if (wg == 0) {
       // barrier j | S(j), softmax, all 8 groups of tile j
 #pragma unroll 1
@@ -657,8 +791,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
     __syncthreads();  // tile j visible to all; every warp is done with tile j-1's buffer
     if (j + 1 < n_tiles) {
       const uint32_t next = sKV0 + ((j + 1) & 1) * 2 * kTileBytes;
-      load_tile<BN>(next, tk, (j + 1) * BN, tid);
-      load_tile<BN>(next + kTileBytes, tv, (j + 1) * BN, tid);
+      kv.template load<BN>(next, j + 1, tid);
     }
     cp_async_commit();
     const uint32_t sK = sKV0 + (j & 1) * 2 * kTileBytes;
@@ -709,14 +842,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
     // ---- running max (rows g and g + 8 of this warp) ----
     // Keys past the end exist only in the last tile; a warp-uniform branch keeps the
     // per-element compares out of every other tile.
-    if ((j + 1) * BN > p.len_kv) {
-      const int key_base = j * BN + 2 * t;
-#pragma unroll
-      for (int i = 0; i < kNT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (key_base + i * 8 + (e & 1) >= p.len_kv) s[i][e] = -INFINITY;
-    }
+    kv.template mask<BN>(s, kv.mask_info(j), t);
     // The max is taken on the raw dot products: x -> RN(x * c) is monotonic for
     // c > 0, so RN(max * c) is exactly the max of the scaled scores.
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -806,6 +932,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) attn_qat_fwd_kernel(cons
   cp_async_wait<0>();
   }  // schedule
 
+  if (KV::kCanIdle && idle_wg) return;  // padding rows only (no barrier follows)
   // ---- epilogue: full row sums, O = acc / l, O_hp = acch / l, m and l ----
   // Every column holds the row sum; the max of two columns (equal values) keeps all
   // four accumulators live, so the row-sum wgmma never sees an undefined accumulator.
@@ -868,9 +995,9 @@ constexpr bool kUseWgmmaForS = true;
 // P.V through wgmma with P from registers and V from shared memory (sm_90a).
 constexpr bool kUseWgmmaForPV = true;
 
-template <int BN, bool QUANT_P>
-void launch_impl(const AttnQatFwdParams& p, float scale_log2, cudaStream_t stream) {
-  auto kernel = attn_qat_fwd_kernel<BN, QUANT_P, kUseWgmmaForS, kUseWgmmaForPV>;
+template <int BN, bool QUANT_P, class KV>
+void launch_impl(const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit, cudaStream_t stream) {
+  auto kernel = attn_qat_fwd_kernel<BN, QUANT_P, kUseWgmmaForS, kUseWgmmaForPV, KV>;
   // Q, two K/V stages, the scale table, and room to align the start to 1024 bytes.
   const int smem = (kBM + 2 * kStages * BN) * kD * 2 + kScaleTableBytes + (kRowsumWgmma ? kOnesBytes : 0) + 1024;
   // Validated on sm_90 (H100/H200) only; other arches would run the untested
@@ -894,13 +1021,12 @@ void launch_impl(const AttnQatFwdParams& p, float scale_log2, cudaStream_t strea
   }
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid((p.len_q + kBM - 1) / kBM, p.heads, p.batch);
-  kernel<<<grid, kThreads, smem, stream>>>(p, scale_log2);
+  kernel<<<grid, kThreads, smem, stream>>>(p, scale_log2, visit);
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_fwd_kernel");
 }
 
-}  // namespace
-
-void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
+// Checks shared by both KV sources; returns scale * log2(e).
+float check_fwd_params(const AttnQatFwdParams& p) {
   if (p.head_dim != kD)
     throw std::runtime_error("attn_qat_fwd: head dim " + std::to_string(p.head_dim) + " is not supported (only " +
                              std::to_string(kD) + "), shape " + shape_str(p));
@@ -919,11 +1045,32 @@ void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
     throw std::runtime_error("attn_qat_fwd: softmax_scale must be finite and >= 0 (0: 1/sqrt(D)), got " +
                              std::to_string(p.softmax_scale) + ", shape " + shape_str(p));
   const float scale = p.softmax_scale != 0.0f ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
-  const float scale_log2 = scale * 1.4426950408889634f;
+  return scale * 1.4426950408889634f;
+}
+
+}  // namespace
+
+void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
+  const float scale_log2 = check_fwd_params(p);
+  const AttnQatFwdVisit none{};
   if (p.quant_p)
-    launch_impl<kAttnQatBlockN, true>(p, scale_log2, stream);
+    launch_impl<kAttnQatBlockN, true, DenseKv>(p, scale_log2, none, stream);
   else
-    launch_impl<kAttnQatBlockN, false>(p, scale_log2, stream);
+    launch_impl<kAttnQatBlockN, false, DenseKv>(p, scale_log2, none, stream);
+}
+
+void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit& visit, cudaStream_t stream) {
+  const float scale_log2 = check_fwd_params(p);
+  if (visit.entries == nullptr || visit.counts == nullptr || visit.stride < 1)
+    throw std::runtime_error("attn_qat_fwd_visit: visit lists missing (entries/counts null or stride " +
+                             std::to_string(visit.stride) + " < 1), shape " + shape_str(p));
+  if (p.len_kv > (static_cast<int64_t>(kAttnQatVisitMaxBlock) + 1) * kAttnQatVisitBlockRows)
+    throw std::runtime_error("attn_qat_fwd_visit: len_kv " + std::to_string(p.len_kv) +
+                             " has more 64-row blocks than a visit entry holds, shape " + shape_str(p));
+  if (p.quant_p)
+    launch_impl<kAttnQatBlockN, true, VisitKv>(p, scale_log2, visit, stream);
+  else
+    launch_impl<kAttnQatBlockN, false, VisitKv>(p, scale_log2, visit, stream);
 }
 
 }  // namespace vqad::kernels::attention
