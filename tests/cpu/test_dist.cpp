@@ -128,7 +128,7 @@ TEST(DistCollectives, LaunchedWorldsOf2And4PassEveryCheck) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     for (int k = 0; k < w; ++k)
       EXPECT_TRUE(contains(r.output, "dist check: rank " + std::to_string(k) + " of " + std::to_string(w) +
-                                         " (Gloo): 13 checks passed"))
+                                         " (Gloo): 15 checks passed"))
           << r.output;
   }
   fs::remove_all(dir);
@@ -148,7 +148,7 @@ TEST(DistCollectives, RankZeroHostsTheStoreWithoutTheLauncher) {
   auto r = test_dist::run_shell(line, dir / "log");
   EXPECT_TRUE(contains(r.output, "rc0=0")) << r.output;
   EXPECT_TRUE(contains(r.output, "rc1=0")) << r.output;
-  EXPECT_TRUE(contains(r.output, "rank 1 of 2 (Gloo): 13 checks passed")) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 1 of 2 (Gloo): 15 checks passed")) << r.output;
   fs::remove_all(dir);
 }
 

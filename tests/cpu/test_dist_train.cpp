@@ -41,16 +41,18 @@ struct DistTrain : ::testing::Test {
     if (!root.empty()) fs::remove_all(root);
   }
 
-  // Global batch 4 = world x per-rank batch; 2 micro-batches per step.
-  fs::path recipe(int world, const fs::path& out, long steps, long save) const {
+  // Global batch 4 = (world / sp) x per-rank batch; 2 micro-batches per step. The ranks of an
+  // SP group share their batch.
+  fs::path recipe(int world, const fs::path& out, long steps, long save, int sp = 1) const {
+    const int dp = world / sp;
     const std::string y =
         "models:\n  student:\n    _target_: fastvideo.train.models.wan.WanModel\n"
         "    init_from: random:tiny\n    trainable: true\n    attention_backend: TORCH_SDPA\n"
         "method:\n  _target_: fastvideo.train.methods.fine_tuning.finetune.FineTuneMethod\n"
-        "training:\n  distributed:\n    num_gpus: " + std::to_string(world) + "\n    sp_size: 1\n"
+        "training:\n  distributed:\n    num_gpus: " + std::to_string(world) + "\n    sp_size: " + std::to_string(sp) + "\n"
         "    hsdp_replicate_dim: " + std::to_string(world) + "\n    hsdp_shard_dim: 1\n"
         "  data:\n    data_path: " + (root / "data").string() + "\n"
-        "    train_batch_size: " + std::to_string(4 / world) + "\n    training_cfg_rate: 0.25\n    seed: 11\n"
+        "    train_batch_size: " + std::to_string(4 / dp) + "\n    training_cfg_rate: 0.25\n    seed: 11\n"
         "  optimizer:\n    learning_rate: 1.0e-3\n    weight_decay: 0.01\n    lr_scheduler: cosine\n"
         "    lr_warmup_steps: 2\n"
         "  loop:\n    max_train_steps: " + std::to_string(steps) + "\n    gradient_accumulation_steps: 2\n"
@@ -62,8 +64,10 @@ struct DistTrain : ::testing::Test {
     return p;
   }
 
-  test_dist::RunResult train(int world, const fs::path& out, long steps, long save, const std::string& extra = "") {
-    const std::string cmd = "train " + recipe(world, out, steps, save).string() + " --device cpu --no-progress --dist-timeout 60" + extra;
+  test_dist::RunResult train(int world, const fs::path& out, long steps, long save, const std::string& extra = "",
+                             int sp = 1) {
+    const std::string cmd = "train " + recipe(world, out, steps, save, sp).string() +
+                            " --device cpu --no-progress --dist-timeout 60" + extra;
     return test_dist::run_vqad(world == 1 ? cmd : "launch --nproc " + std::to_string(world) + " " + cmd,
                                root / (out.filename().string() + "_w" + std::to_string(world) + ".log"));
   }
@@ -124,6 +128,74 @@ TEST_F(DistTrain, ReplicatedWorldsOf2And4MatchOneProcess) {
   }
 }
 
+// Ulysses SP 2: world 2 (one SP group, both ranks on the global batch of 4) and world 4 (two
+// SP groups x batch 2). The tiny model's 8 tokens are split 4 + 4; q, k, v go to the whole
+// sequence for one head each and back. Same tolerances as replication: the SP runs differ from
+// one process in the GEMM row blocking (4 tokens per rank) and in the sum of the two ranks'
+// partial parameter gradients. A missing SUM over the SP group halves the gradient (the step-1
+// gradient norm check fails by 50%), a rank on the wrong slice of RoPE or of the output
+// changes the step-1 loss by far more than 1e-6.
+TEST_F(DistTrain, SequenceParallelWorldsOf2And4MatchOneProcess) {
+  auto r1 = train(1, root / "w1", 3, 3);
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  for (int w : {2, 4}) {
+    const auto out = root / ("sp2_w" + std::to_string(w));
+    auto r = train(w, out, 3, 3, "", 2);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_close_metrics(out, root / "w1", "SP 2, world " + std::to_string(w));
+    expect_close_weights(out / "checkpoint-3" / "student", root / "w1" / "checkpoint-3" / "student", 3,
+                         "SP 2, world " + std::to_string(w));
+    std::ifstream f(out / "checkpoint-3" / "trainer_state.json");
+    auto state = nlohmann::json::parse(f);
+    EXPECT_EQ(state.at("distributed").at("sp_size").get<int>(), 2);
+    EXPECT_EQ(state.at("distributed").at("dp_size").get<int>(), w / 2);
+  }
+}
+
+// DMD2 under SP 2: student, frozen teacher (with CFG) and critic all run whole-model forwards
+// that split the sequence; the rollout, the re-noising and the critic's timesteps are drawn
+// alike on both ranks. Same tolerances; both trained roles are compared.
+TEST_F(DistTrain, Dmd2UnderSequenceParallelMatchesOneProcess) {
+  auto dmd = [&](int world, const fs::path& out) {
+    const std::string y =
+        "models:\n"
+        "  student:\n    _target_: fastvideo.train.models.wan.WanModel\n    init_from: random:tiny\n"
+        "    trainable: true\n    attention_backend: TORCH_SDPA\n"
+        "  teacher:\n    _target_: fastvideo.train.models.wan.WanModel\n    init_from: random:tiny\n"
+        "    trainable: false\n    disable_custom_init_weights: true\n    attention_backend: TORCH_SDPA\n"
+        "  critic:\n    _target_: fastvideo.train.models.wan.WanModel\n    init_from: random:tiny\n"
+        "    trainable: true\n    disable_custom_init_weights: true\n    attention_backend: TORCH_SDPA\n"
+        "method:\n  _target_: fastvideo.train.methods.distribution_matching.dmd2.DMD2Method\n"
+        "  rollout_mode: data_latent\n  dmd_denoising_steps: [1000, 941.18, 800]\n"
+        "  generator_update_interval: 1\n  real_score_guidance_scale: 3.5\n"
+        "  fake_score_learning_rate: 1.0e-3\n  fake_score_betas: [0.0, 0.999]\n"
+        "  fake_score_lr_scheduler: constant\n  cfg_uncond:\n    text: zero\n"
+        "training:\n  distributed:\n    num_gpus: " + std::to_string(world) + "\n    sp_size: " +
+        std::to_string(world) + "\n    hsdp_replicate_dim: " + std::to_string(world) + "\n    hsdp_shard_dim: 1\n"
+        "  data:\n    data_path: " + (root / "data").string() + "\n"
+        "    num_latent_t: 2\n    num_height: 32\n    num_width: 32\n    train_batch_size: 2\n    seed: 21\n"
+        "  optimizer:\n    learning_rate: 1.0e-3\n    betas: [0.0, 0.999]\n    weight_decay: 0.01\n"
+        "    lr_scheduler: constant\n"
+        "  loop:\n    max_train_steps: 3\n"
+        "  checkpoint:\n    output_dir: " + out.string() + "\n    training_state_checkpointing_steps: 3\n"
+        "callbacks:\n  grad_clip:\n    max_grad_norm: 1.0\n"
+        "pipeline:\n  flow_shift: 3.0\n";
+    const fs::path p = root / ("dmd_w" + std::to_string(world) + ".yaml");
+    std::ofstream(p) << y;
+    const std::string cmd = "train " + p.string() + " --device cpu --no-progress --dist-timeout 60";
+    return test_dist::run_vqad(world == 1 ? cmd : "launch --nproc " + std::to_string(world) + " " + cmd,
+                               root / ("dmd_w" + std::to_string(world) + ".log"));
+  };
+  auto one = dmd(1, root / "dmd1");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two = dmd(2, root / "dmd2");
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  expect_close_metrics(root / "dmd2", root / "dmd1", "dmd2 SP 2");
+  for (const char* role : {"student", "critic"})
+    expect_close_weights(root / "dmd2" / "checkpoint-3" / role, root / "dmd1" / "checkpoint-3" / role, 3,
+                         std::string("dmd2 SP 2 ") + role);
+}
+
 // The legs stop early by running with a smaller max_train_steps. A cosine schedule is
 // computed over max_train_steps, so each leg would follow a different LR curve from its
 // first post-warmup update on (a 4-step leg decays to zero at step 4, ~1% off the 6-step
@@ -160,5 +232,12 @@ TEST_F(DistTrain, MeshThatDoesNotMatchTheLaunchIsRefused) {
   EXPECT_NE(sharded.exit_code, 0);
   EXPECT_TRUE(contains(sharded.output, "training.distributed.hsdp_shard_dim = 2: sharded data parallelism is not "
                                        "available")) << sharded.output;
+  // SP must divide the heads (the tiny model has 2).
+  auto sp4 = test_dist::run_vqad("launch --nproc 4 train " + recipe(4, root / "sp4", 1, 1, 4).string() +
+                                     " --device cpu --no-progress",
+                                 root / "sp4.log");
+  EXPECT_NE(sp4.exit_code, 0);
+  EXPECT_TRUE(contains(sp4.output, "training.distributed.sp_size = 4: Ulysses splits the attention heads over the SP "
+                                   "ranks, but models.student has 2 heads")) << sp4.output;
 }
 

@@ -9,27 +9,27 @@ namespace vqad::train::sections {
 
 namespace {
 
-const char* kMultiGpu = "multi-GPU training (one device today: the trainer refuses num_gpus > 1)";
+const char* kSharded = "sharded data parallelism (the trainer refuses hsdp_shard_dim > 1)";
 const std::vector<std::string> kCheckpointingTypes = {"", "full", "ops", "block_skip"};
 
 const SectionSchema& distributed_schema() {
   static const SectionSchema s{
       "training.distributed",
       {
-          planned(key("num_gpus", K::kInt, 1, "world size (GPUs of the run)", true), kMultiGpu),
+          key("num_gpus", K::kInt, 1, "world size (GPUs of the run; the launched ranks)", true),
           key("tp_size", K::kInt, 1, "tensor parallel size; must be 1 (vqad has no tensor parallelism)", true),
-          planned(key("sp_size", K::kInt, nullptr, "sequence parallel (Ulysses) size; default num_gpus", true),
-                  kMultiGpu),
-          planned(key("hsdp_replicate_dim", K::kInt, 1, "HSDP replica groups", true), kMultiGpu),
+          key("sp_size", K::kInt, nullptr,
+              "sequence parallel (Ulysses) size; divides num_gpus and the heads; default num_gpus", true),
+          key("hsdp_replicate_dim", K::kInt, 1, "HSDP replica groups", true),
           planned(key("hsdp_shard_dim", K::kInt, nullptr, "HSDP shard group size; default num_gpus, -1 = the rest",
                       true),
-                  kMultiGpu),
-          planned(key("pin_cpu_memory", K::kBool, false, "pin host memory of sharded state"), kMultiGpu),
-          planned(key("reshard_after_forward", K::kBool, true, "free gathered shards after forward"), kMultiGpu),
-          planned(key("fsdp_modules_per_group", K::kInt, 1, "blocks per sharding unit"), kMultiGpu),
-          planned(choice_key("reduce_dtype", {"fp32", "bf16"}, "fp32", "gradient reduction dtype", true), kMultiGpu),
+                  kSharded),
+          planned(key("pin_cpu_memory", K::kBool, false, "pin host memory of sharded state"), kSharded),
+          planned(key("reshard_after_forward", K::kBool, true, "free gathered shards after forward"), kSharded),
+          planned(key("fsdp_modules_per_group", K::kInt, 1, "blocks per sharding unit"), kSharded),
+          planned(choice_key("reduce_dtype", {"fp32", "bf16"}, "fp32", "gradient reduction dtype", true), kSharded),
           planned(key("fsdp_symmetric_memory", K::kBool, false, "symmetric-memory collectives (a GPU-memory knob)"),
-                  kMultiGpu),
+                  kSharded),
       }};
   return s;
 }
@@ -283,6 +283,16 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
               std::to_string(x.hsdp_shard_dim) + ") = " + std::to_string(x.hsdp_replicate_dim * x.hsdp_shard_dim) +
               " must equal num_gpus (" + std::to_string(x.num_gpus) + ")");
     check(x.fsdp_modules_per_group >= 1, ctx, p + ".fsdp_modules_per_group", "must be >= 1");
+    // The sharding knobs act on sharded data parallelism, which is not built: a value that
+    // asks for something is refused rather than ignored (the defaults ask for nothing).
+    const std::string unsharded = "applies to sharded data parallelism (hsdp_shard_dim > 1), which this vqad "
+                                  "build does not have; leave the default";
+    check(x.reduce_dtype == "fp32", ctx, p + ".reduce_dtype",
+          "vqad reduces gradients in fp32 only, found '" + x.reduce_dtype + "'");
+    check(!x.pin_cpu_memory, ctx, p + ".pin_cpu_memory", unsharded + " (false)");
+    check(x.reshard_after_forward, ctx, p + ".reshard_after_forward", unsharded + " (true)");
+    check(x.fsdp_modules_per_group == 1, ctx, p + ".fsdp_modules_per_group", unsharded + " (1)");
+    check(!x.fsdp_symmetric_memory, ctx, p + ".fsdp_symmetric_memory", unsharded + " (false)");
   }
   {
     Section d = t.sub("data", data_schema());

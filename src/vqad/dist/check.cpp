@@ -180,6 +180,7 @@ int run_collective_check(const CheckOptions& o) {
       close(vl.grad(), mine(vf.grad()), "dv");
       ++checks;
     }
+    for (const auto& check : o.extra) checks += check(*pg);
     pg->barrier("check done");
     ++checks;
     std::cout << "dist check: rank " << r << " of " << W << " (" << (dev.is_cuda() ? "NCCL" : "Gloo") << "): " << checks

@@ -4,9 +4,13 @@
 // --device cuda). Fault injection (--fault-rank, --fault) makes one rank die or hang at a
 // chosen point so that the error path (every other rank names it) can be tested.
 #pragma once
+#include <functional>
 #include <string>
+#include <vector>
 
 namespace vqad::dist {
+
+class ProcessGroup;
 
 struct CheckOptions {
   std::string device = "cpu";  // cpu (Gloo) | cuda (NCCL, device = LOCAL_RANK)
@@ -15,6 +19,10 @@ struct CheckOptions {
   int fault_rank = -1;         // the rank that misbehaves
   std::string fault = "none";  // none | exit | kill | hang | error
   bool verbose = false;
+  // Checks of the layers above (the CLI adds Ulysses through the Wan model), run on the
+  // world group after the collective checks; each returns how many checks it passed and
+  // throws vqad::Error naming what failed.
+  std::vector<std::function<int(ProcessGroup& world)>> extra;
 };
 
 // Returns 0 when every check passed on this rank; a failed comparison or collective is a

@@ -23,8 +23,8 @@ std::unique_ptr<DataParallel> DataParallel::create(const MeshSpec& mesh) {
                                                    "--training.distributed.hsdp_shard_dim 1)"
                                              : " launched ranks");
   if (world_size == 1) return nullptr;
-  VQAD_CHECK(mesh.sp_size == 1, p, ".sp_size = ", mesh.sp_size,
-             ": sequence parallelism is not available in this vqad build (use sp_size 1)");
+  VQAD_CHECK(mesh.sp_size >= 1 && world_size % mesh.sp_size == 0, p, ".sp_size = ", mesh.sp_size,
+             " does not divide the ", world_size, " launched ranks");
   VQAD_CHECK(mesh.hsdp_shard_dim == 1, p, ".hsdp_shard_dim = ", mesh.hsdp_shard_dim,
              ": sharded data parallelism is not available in this vqad build; replicate instead with "
              "--training.distributed.hsdp_replicate_dim ", mesh.num_gpus, " --training.distributed.hsdp_shard_dim 1");
@@ -32,7 +32,14 @@ std::unique_ptr<DataParallel> DataParallel::create(const MeshSpec& mesh) {
 }
 
 DataParallel::DataParallel(std::shared_ptr<ProcessGroup> world, MeshSpec mesh)
-    : world_(std::move(world)), mesh_(mesh) {}
+    : world_(std::move(world)), mesh_(mesh) {
+  if (mesh_.sp_size > 1) {
+    const int first = static_cast<int>(world_->rank() / mesh_.sp_size * mesh_.sp_size);
+    std::vector<int> ranks;
+    for (int k = 0; k < mesh_.sp_size; ++k) ranks.push_back(world_->global_ranks()[first + k]);
+    sp_ = world_->subgroup("sp" + std::to_string(first / mesh_.sp_size), ranks);
+  }
+}
 
 void DataParallel::check_same(const std::string& what, const std::string& value) {
   auto all = world_->all_gather_string(value, what);
@@ -67,7 +74,9 @@ void DataParallel::average_gradients(const std::vector<torch::Tensor>& params, c
       ++j;
     }
     auto buf = torch::cat(flat);
-    world_->all_reduce(buf, ReduceOp::kAvg, "grads " + what + " bucket " + std::to_string(bucket++));
+    // SUM then one division by the DP degree (with sp_size 1 the same bits as kAvg).
+    world_->all_reduce(buf, ReduceOp::kSum, "grads " + what + " bucket " + std::to_string(bucket++));
+    buf.div_(static_cast<double>(dp_size()));
     int64_t off = 0;
     for (size_t k = i; k < j; ++k) {
       const int64_t m = grads[k].numel();

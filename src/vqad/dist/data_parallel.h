@@ -1,10 +1,15 @@
-// Replicated data parallelism for the trainer (mesh hsdp_replicate_dim = world, shard 1, SP 1).
+// Data parallelism for the trainer: replicated parameters (mesh hsdp_replicate_dim = world,
+// shard 1) with optional Ulysses sequence parallelism (sp_size P | world: the SP groups are
+// the consecutive ranks {g P, ..., g P + P - 1}; the ranks of one group share batch and noise
+// and split the sequence, dist/ulysses.h).
 //
 // What the trainer calls:
 //  - at start: check_same_run (every rank runs the same resolved config and the same vqad
 //    executable, by sha256), then broadcast_parameters from rank 0;
 //  - after the last micro-batch's backward of a step: average_gradients per updated role
-//    (fp32, flat buckets, one all-reduce SUM per bucket then one division by the world size;
+//    (fp32, flat buckets, one all-reduce SUM per bucket over the world then one division by
+//    the data-parallel degree world / P: the SP ranks' partial gradients of one sample add
+//    up to its gradient, the DP groups' gradients are averaged; with P = 1 this is the mean;
 //    gradient accumulation communicates once per optimizer step), then average_metrics (the
 //    losses every rank logs and checks are the global ones, so clipping and the NaN guard
 //    decide alike everywhere);
@@ -43,6 +48,9 @@ class DataParallel {
   int64_t dp_rank() const { return world_->rank() / mesh_.sp_size; }
   int64_t dp_size() const { return world_->size() / mesh_.sp_size; }
   ProcessGroup& group() { return *world_; }
+  int64_t sp_size() const { return mesh_.sp_size; }
+  // This rank's SP group (nullptr when sp_size is 1).
+  ProcessGroup* sp_group() { return sp_.get(); }
 
   // Every rank must present the same value (e.g. a sha256); the error names the first rank
   // that differs from rank 0 and both values.
@@ -51,11 +59,15 @@ class DataParallel {
   void average_gradients(const std::vector<torch::Tensor>& params, const std::string& what);
   void average_metrics(std::map<std::string, double>& values, const std::string& what);
   double sum(double local, const std::string& what);
+  // A count every SP rank of a group makes alike (tokens of the group's batch), summed over
+  // the data-parallel groups.
+  double sum_over_dp(double local, const std::string& what) { return sum(local, what) / static_cast<double>(mesh_.sp_size); }
   void barrier(const std::string& what) { world_->barrier(what); }
   nlohmann::json mesh_json() const;
 
  private:
   std::shared_ptr<ProcessGroup> world_;
+  std::shared_ptr<ProcessGroup> sp_;
   MeshSpec mesh_;
 };
 

@@ -48,7 +48,48 @@ struct Exchange : torch::autograd::Function<Exchange> {
   }
 };
 
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t group,
+                               const std::string& what) {
+    auto& g = *reinterpret_cast<ProcessGroup*>(group);
+    ctx->saved_data["rank"] = static_cast<int64_t>(g.rank());
+    ctx->saved_data["local"] = x.size(1);
+    // all_gather concatenates along dim 0: move the sequence there and back.
+    auto full = g.all_gather(x.transpose(0, 1).contiguous(), what + " gather sequence");  // [P S/P, B, ...]
+    return full.transpose(0, 1).contiguous();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const int64_t r = ctx->saved_data["rank"].toInt(), n = ctx->saved_data["local"].toInt();
+    return {grads[0].narrow(1, r * n, n).contiguous(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+thread_local ProcessGroup* t_sp_group = nullptr;
+
 }  // namespace
+
+SequenceParallelScope::SequenceParallelScope(ProcessGroup* group) : previous_(t_sp_group) {
+  t_sp_group = group && group->size() > 1 ? group : nullptr;
+}
+SequenceParallelScope::~SequenceParallelScope() { t_sp_group = previous_; }
+ProcessGroup* sequence_parallel_group() { return t_sp_group; }
+
+torch::Tensor shard_sequence(const torch::Tensor& x, ProcessGroup& g, const std::string& what) {
+  const int64_t P = g.size();
+  VQAD_CHECK(x.dim() >= 2, "sequence parallel ", what, ": expected [B, S, ...], found ", x.sizes());
+  const int64_t S = x.size(1);
+  VQAD_CHECK(S % P == 0, "sequence parallel ", what, ": the sequence of ", S, " tokens is not divisible by sp_size ",
+             P);
+  if (P == 1) return x;
+  return x.narrow(1, g.rank() * (S / P), S / P);
+}
+
+torch::Tensor gather_sequence(const torch::Tensor& x, ProcessGroup& g, const std::string& what) {
+  VQAD_CHECK(x.dim() >= 2, "sequence parallel ", what, ": expected [B, S/P, ...], found ", x.sizes());
+  if (g.size() == 1) return x;
+  return GatherSequence::apply(x, reinterpret_cast<int64_t>(&g), what);
+}
 
 torch::Tensor seq_to_heads(const torch::Tensor& x, ProcessGroup& g, const std::string& what) {
   if (g.size() == 1) return x;

@@ -19,6 +19,7 @@
 #include "vqad/data/sampler.h"
 #include "vqad/dist/batch_random.h"
 #include "vqad/dist/data_parallel.h"
+#include "vqad/dist/ulysses.h"
 #include "vqad/dist/memory.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/core/signals.h"
@@ -96,6 +97,9 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   {
     const auto& d = tc.distributed;
     // A dry run builds and prints in one process, whatever the mesh.
+    VQAD_CHECK(d.sp_size == 1 || method.sequence_parallel, "training.distributed.sp_size = ", d.sp_size, ": method ",
+               method.name, " runs block ranges with taps, which are not split over sequence-parallel ranks; use "
+               "--training.distributed.sp_size 1 (the ranks then replicate)");
     if (!options_.dry_run)
       impl_->dp = dist::DataParallel::create({d.num_gpus, d.sp_size, d.hsdp_replicate_dim, d.hsdp_shard_dim});
   }
@@ -125,6 +129,14 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
                  ".attention_backend ATTN_QAT_TRAIN on ", options_.device.str(), ": the CUDA kernels support head_dim ",
                  kCudaAttnQatHeadDim, " only, but this model has attention_head_dim ", hd,
                  " (use a model with 128-channel heads, e.g. random:tiny-hd128 for a tiny run)");
+    }
+  }
+  if (tc.distributed.sp_size > 1) {
+    for (const auto& [name, role] : roles_) {
+      const int64_t heads = role->model->config().num_attention_heads;
+      VQAD_CHECK(heads % tc.distributed.sp_size == 0, "training.distributed.sp_size = ", tc.distributed.sp_size,
+                 ": Ulysses splits the attention heads over the SP ranks, but models.", name, " has ", heads,
+                 " heads (sp_size must divide them)");
     }
   }
   auto student = roles_.at("student");
@@ -295,6 +307,8 @@ TrainSummary Trainer::run() {
       if (auto rows = nonfinite_batch_rows(batch, *I.dataset); !rows.empty())
         fail("step ", step, ": the batch holds non-finite values (NaN/Inf) in ", rows.size(), " row(s), first: ",
              rows[0], "; nothing of step ", step, " was saved; ", last_good_text());
+      // Ulysses SP (sp_size > 1): the method's whole-model forwards split the sequence.
+      dist::SequenceParallelScope sp_scope(I.dp ? I.dp->sp_group() : nullptr);
       auto r = I.method->micro_step(batch, I.gen, options_.device, step, 1.0 / static_cast<double>(accum));
       for (const auto& [k, v] : r.metrics) rec[k] += v / static_cast<double>(accum);
       for (const auto& [k, v] : r.role_loss) role_loss[k] += v / static_cast<double>(accum);
@@ -307,7 +321,7 @@ TrainSummary Trainer::run() {
         I.dp->average_gradients(roles_.at(name)->trainable_parameters(), name);
       I.dp->average_metrics(rec, "step metrics");
       I.dp->average_metrics(role_loss, "role losses");
-      tokens = static_cast<int64_t>(I.dp->sum(static_cast<double>(tokens), "tokens"));
+      tokens = static_cast<int64_t>(I.dp->sum_over_dp(static_cast<double>(tokens), "tokens"));
     }
     const double loss = rec.at("loss");
     for (const auto& name : I.method->roles_to_update(step)) {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "vqad/core/error.h"
+#include "vqad/dist/ulysses.h"
 #include "vqad/ops/checkpoint.h"
 #include "vqad/ops/fused_block.h"
 
@@ -104,9 +105,9 @@ torch::Tensor WanModel::forward_blocks(int64_t begin, int64_t end, torch::Tensor
     if (ckpt && taps) {
       // The tapped tensors are outputs of the checkpointed segment: recomputed in backward
       // like the block output, differentiable through the same recomputation.
-      auto fn = [blk, grid = cond.grid](const std::vector<torch::Tensor>& in) {
+      auto fn = [blk, grid = cond.grid, sp = cond.sp](const std::vector<torch::Tensor>& in) {
         BlockTaps tap;
-        auto h = blk->forward_tensors(in[0], in[1], in[2], in[3], in[4], &tap, grid);
+        auto h = blk->forward_tensors(in[0], in[1], in[2], in[3], in[4], &tap, grid, sp);
         return std::vector<torch::Tensor>{h, tap.attn_out, tap.ffn_out};
       };
       auto outs = ops::checkpoint_multi(fn, {hidden, cond.time_mod, cond.context, cond.rope_cos, cond.rope_sin},
@@ -114,8 +115,9 @@ torch::Tensor WanModel::forward_blocks(int64_t begin, int64_t end, torch::Tensor
       hidden = outs[0];
       taps->push_back(BlockTaps{outs[1], outs[2]});
     } else if (ckpt) {
-      auto fn = [blk, grid = cond.grid](const std::vector<torch::Tensor>& in) {
-        return blk->forward_tensors(in[0], in[1], in[2], in[3], in[4], nullptr, grid);
+      // The SP group is captured: the recomputation in backward exchanges like the forward.
+      auto fn = [blk, grid = cond.grid, sp = cond.sp](const std::vector<torch::Tensor>& in) {
+        return blk->forward_tensors(in[0], in[1], in[2], in[3], in[4], nullptr, grid, sp);
       };
       hidden = ops::checkpoint(fn, {hidden, cond.time_mod, cond.context, cond.rope_cos, cond.rope_sin},
                                blk->parameters());
@@ -136,12 +138,34 @@ torch::Tensor WanModel::head(const torch::Tensor& hidden, const WanConditioning&
   const auto &shift = mod[0], &scale = mod[1];
   auto y = ops::modulated_layer_norm(hidden, scale, shift, config_.eps);
   y = proj_out->forward(y);
+  // SP: every rank gets the whole output (the loss is computed alike on every SP rank).
+  if (cond.sp) y = dist::gather_sequence(y, *cond.sp, "proj_out");
   return unpatchify(y, cond.grid, config_.patch_size, config_.out_channels);
 }
 
 torch::Tensor WanModel::forward(const torch::Tensor& x, const torch::Tensor& timestep,
                                 const torch::Tensor& text, std::vector<BlockTaps>* taps) {
   auto e = embed(x, timestep, text);
+  if (dist::ProcessGroup* sp = dist::sequence_parallel_group()) {
+    // Ulysses SP: the sequence is split at the patch embedding; every rank keeps the RoPE
+    // rows of its positions (RoPE is per token, so applying it to the slice before the
+    // exchange is the same arithmetic as after it), and head() gathers the output.
+    const int64_t S = e.hidden.size(1), P = sp->size();
+    VQAD_CHECK(S % P == 0, "Wan forward under sequence parallelism: the latent grid ", e.cond.grid[0], "x",
+               e.cond.grid[1], "x", e.cond.grid[2], " gives ", S,
+               " tokens, which training.distributed.sp_size = ", P,
+               " does not divide (choose an sp_size that divides the token count, or sp_size 1)");
+    VQAD_CHECK(config_.num_attention_heads % P == 0, "Wan forward under sequence parallelism: ",
+               config_.num_attention_heads, " attention heads are not divisible by training.distributed.sp_size = ",
+               P);
+    VQAD_CHECK(!taps, "Wan forward: block taps are not available under sequence parallelism (the taps would hold "
+                      "one rank's slice of the sequence)");
+    const int64_t n = S / P, off = sp->rank() * n;
+    e.hidden = dist::shard_sequence(e.hidden, *sp, "patch embedding");
+    e.cond.rope_cos = e.cond.rope_cos.narrow(0, off, n).contiguous();
+    e.cond.rope_sin = e.cond.rope_sin.narrow(0, off, n).contiguous();
+    e.cond.sp = sp;
+  }
   auto h = forward_blocks(0, num_blocks(), e.hidden, e.cond, taps);
   return head(h, e.cond);
 }

@@ -41,7 +41,10 @@ class WanModel : public torch::nn::Module {
                                const WanConditioning& cond, std::vector<BlockTaps>* taps = nullptr);
   // Final modulation, proj_out and unpatchify -> [B, out_channels, T, H, W] in the compute dtype.
   torch::Tensor head(const torch::Tensor& hidden, const WanConditioning& cond);
-  // The whole model: the velocity prediction (noise - x0).
+  // The whole model: the velocity prediction (noise - x0). Under a dist::SequenceParallelScope
+  // (Ulysses SP) the sequence is split over the scope's group after the patch embedding and
+  // gathered after proj_out, so every rank returns the whole prediction; embed /
+  // forward_blocks / head called directly never split.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& timestep, const torch::Tensor& text,
                         std::vector<BlockTaps>* taps = nullptr);
 

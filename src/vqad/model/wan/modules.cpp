@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "vqad/core/error.h"
+#include "vqad/dist/ulysses.h"
 #include "vqad/ops/fused_block.h"
 
 namespace vqad::model {
@@ -200,7 +201,8 @@ WanAttention::WanAttention(int64_t dim, int64_t heads_, double eps, const torch:
 
 torch::Tensor WanAttention::self_forward(const torch::Tensor& h, const torch::Tensor& rope_cos,
                                          const torch::Tensor& rope_sin, const ops::AttentionSpec& spec,
-                                         const torch::Tensor& gate, std::array<int64_t, 3> grid) {
+                                         const torch::Tensor& gate, std::array<int64_t, 3> grid,
+                                         dist::ProcessGroup* sp) {
   const int64_t B = h.size(0), L = h.size(1);
   // RMSNorm and RoPE in one op (one kernel on CUDA); the same math as
   // apply_rope(norm_q->forward(.).reshape(B, L, H, D)).
@@ -210,7 +212,16 @@ torch::Tensor WanAttention::self_forward(const torch::Tensor& h, const torch::Te
   ops::VsaInputs vsa;
   if (gate.defined()) vsa.gate = gate.reshape({B, L, heads, -1});
   vsa.grid = grid;
+  if (sp) {
+    // Ulysses: [B, L = S/P, H, D] -> [B, S, H/P, D]; the attention (and VSA's cube tiling)
+    // sees the whole sequence in its original order, for this rank's heads.
+    q = dist::seq_to_heads(q, *sp, "self-attention q");
+    k = dist::seq_to_heads(k, *sp, "self-attention k");
+    v = dist::seq_to_heads(v, *sp, "self-attention v");
+    if (vsa.gate.defined()) vsa.gate = dist::seq_to_heads(vsa.gate, *sp, "self-attention VSA gate");
+  }
   auto o = ops::self_attention(q, k, v, spec, vsa);
+  if (sp) o = dist::heads_to_seq(o, *sp, "self-attention output");
   return to_out_0->forward(o.reshape({B, L, -1}).to(h.scalar_type()));
 }
 
@@ -262,13 +273,13 @@ WanBlock::WanBlock(int64_t dim, int64_t heads, int64_t ffn_dim, double eps_, boo
 }
 
 torch::Tensor WanBlock::forward(const torch::Tensor& x, const WanConditioning& cond, BlockTaps* taps) {
-  return forward_tensors(x, cond.time_mod, cond.context, cond.rope_cos, cond.rope_sin, taps, cond.grid);
+  return forward_tensors(x, cond.time_mod, cond.context, cond.rope_cos, cond.rope_sin, taps, cond.grid, cond.sp);
 }
 
 torch::Tensor WanBlock::forward_tensors(const torch::Tensor& x, const torch::Tensor& time_mod,
                                         const torch::Tensor& context, const torch::Tensor& rope_cos,
                                         const torch::Tensor& rope_sin, BlockTaps* taps,
-                                        std::array<int64_t, 3> grid) {
+                                        std::array<int64_t, 3> grid, dist::ProcessGroup* sp) {
   const auto cdt = x.scalar_type();
   auto e = (scale_shift_table.to(torch::kFloat32) + time_mod.to(torch::kFloat32)).chunk(6, 1);
   const auto &shift = e[0], &scale = e[1], &gate = e[2];
@@ -285,7 +296,7 @@ torch::Tensor WanBlock::forward_tensors(const torch::Tensor& x, const torch::Ten
                " needs to_gate_compress, but the block was built without it");
     vsa_gate = to_gate_compress->forward(h1);
   }
-  auto attn = attn1->self_forward(h1, rope_cos, rope_sin, spec_, vsa_gate, grid);
+  auto attn = attn1->self_forward(h1, rope_cos, rope_sin, spec_, vsa_gate, grid, sp);
   if (taps) taps->attn_out = attn;
   auto out = ops::gated_residual(x, attn, gate);
 

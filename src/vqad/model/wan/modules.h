@@ -14,6 +14,10 @@
 #include "vqad/ops/attention.h"
 #include "vqad/ops/linear_quant.h"
 
+namespace vqad::dist {
+class ProcessGroup;
+}
+
 namespace vqad::model {
 
 // A linear layer whose math a quant plan can replace (ops::LinearQuant). Without a quant
@@ -98,9 +102,13 @@ class WanAttention : public torch::nn::Module {
   // h [B, L, dim]; rope tables [L, D/2] fp32. Output after to_out: [B, L, dim].
   // VSA backends: `gate` [B, L, dim] (to_gate_compress output; undefined = zero gate) and
   // `grid` (tokens per axis after patchify).
+  // With `sp` (Ulysses sequence parallelism) h holds this rank's slice of the sequence and
+  // the RoPE tables its positions; q, k, v (and the VSA gate) are exchanged to the whole
+  // sequence for H/P heads before the attention and the output back after it.
   torch::Tensor self_forward(const torch::Tensor& h, const torch::Tensor& rope_cos,
                              const torch::Tensor& rope_sin, const ops::AttentionSpec& spec,
-                             const torch::Tensor& gate = {}, std::array<int64_t, 3> grid = {0, 0, 0});
+                             const torch::Tensor& gate = {}, std::array<int64_t, 3> grid = {0, 0, 0},
+                             dist::ProcessGroup* sp = nullptr);
   // h [B, L, dim], context [B, Lt, dim]; always dense.
   torch::Tensor cross_forward(const torch::Tensor& h, const torch::Tensor& context);
 
@@ -131,6 +139,9 @@ struct WanConditioning {
   torch::Tensor rope_cos;  // [L, head_dim / 2] fp32
   torch::Tensor rope_sin;
   std::array<int64_t, 3> grid{0, 0, 0};  // tokens per axis after patchify (T', H', W')
+  // Sequence parallelism (WanModel::forward under a dist::SequenceParallelScope): the group
+  // the sequence is split over; the hidden states and the RoPE tables are this rank's slice.
+  dist::ProcessGroup* sp = nullptr;
 };
 
 class WanBlock : public torch::nn::Module {
@@ -145,7 +156,7 @@ class WanBlock : public torch::nn::Module {
   torch::Tensor forward_tensors(const torch::Tensor& x, const torch::Tensor& time_mod,
                                 const torch::Tensor& context, const torch::Tensor& rope_cos,
                                 const torch::Tensor& rope_sin, BlockTaps* taps,
-                                std::array<int64_t, 3> grid = {0, 0, 0});
+                                std::array<int64_t, 3> grid = {0, 0, 0}, dist::ProcessGroup* sp = nullptr);
 
   const ops::AttentionSpec& attention_spec() const { return spec_; }
   // VSA: the sparsity used from the next forward on (the trainer's schedule).

@@ -111,6 +111,7 @@ MethodRegistration sft_registration() {
     return s;
   };
   r.mfu_is_student_forward_backward = true;
+  r.sequence_parallel = true;
   return r;
 }
 
