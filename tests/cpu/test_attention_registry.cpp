@@ -8,6 +8,7 @@
 #include <string>
 #include <thread>
 
+#include "tests/support/errors.h"
 #include "vqad/core/error.h"
 #include "vqad/ops/attention.h"
 
@@ -40,14 +41,7 @@ torch::Tensor loop_attention(const torch::Tensor& q, const torch::Tensor& k, con
   return o;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using vqad::test::error_of;
 
 TEST(AttentionRegistry, DenseBackendsMatchLoopReference) {
   torch::manual_seed(1);

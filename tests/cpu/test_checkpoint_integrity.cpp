@@ -14,6 +14,7 @@
 #include <functional>
 #include <limits>
 
+#include "tests/support/errors.h"
 #include "vqad/core/error.h"
 #include "vqad/core/metrics.h"
 #include "vqad/core/sha256.h"
@@ -34,14 +35,7 @@ using namespace vqad;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using vqad::test::error_of;
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 

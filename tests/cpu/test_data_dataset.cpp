@@ -6,6 +6,7 @@
 
 #include <set>
 
+#include "tests/support/errors.h"
 #include "test_data_util.h"
 #include "test_ode_util.h"
 #include "vqad/cli/cmd_ode_cache.h"
@@ -24,15 +25,7 @@ using namespace vqad::data;
 
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "(no vqad::Error thrown)";
-}
+using vqad::test::error_of;
 
 // One generated ODE cache shared by the tests below: 3 prompts, 3 trajectories, 12 steps
 // (anchors 0, 4, 8).

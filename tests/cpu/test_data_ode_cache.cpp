@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 
+#include "tests/support/errors.h"
 #include "test_data_util.h"
 #include "test_ode_util.h"
 #include "vqad/core/error.h"
@@ -53,15 +54,7 @@ OdeTrajectory make_traj(int64_t i, int64_t anchors = 12) {
   return t;
 }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "(no vqad::Error thrown)";
-}
+using vqad::test::error_of;
 
 }  // namespace
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "tests/support/errors.h"
 #include "test_data_util.h"
 #include "vqad/core/error.h"
 #include "vqad/data/latent_norm.h"
@@ -32,15 +33,7 @@ DatasetOptions raw_options(DataKind kind = DataKind::T2V) {
 
 const int64_t kFixtureTokens[5] = {3, 5, 7, 4, 9};
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "(no vqad::Error thrown)";
-}
+using vqad::test::error_of;
 
 // Fixture-formula rows written by vqad.
 ParquetRecord formula_record(int64_t g, int64_t tokens, DataKind kind) {

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <string>
 
+#include "tests/support/errors.h"
 #include "vqad/core/error.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/export/packed.h"
@@ -38,14 +39,7 @@ using vqad::model::WanModel;
 using vqad::nvfp4::ScaleMode;
 using namespace vqad::test_export;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using vqad::test::error_of;
 
 TEST(ExportPack, PackedTensorsDecodeToTheFakeQuantWeight) {
   torch::manual_seed(11);

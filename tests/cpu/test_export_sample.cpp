@@ -11,6 +11,7 @@
 #include <functional>
 #include <string>
 
+#include "tests/support/errors.h"
 #include "vqad/core/error.h"
 #include "vqad/core/png.h"
 #include "vqad/data/parquet_dataset.h"
@@ -39,14 +40,7 @@ void write_prompts(const fs::path& path, int64_t p, uint64_t seed, bool negative
   vqad::io::save_safetensors(path.string(), t);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using vqad::test::error_of;
 
 TEST(ExportSample, PackedFakeQuantAndDirectSamplerAgree) {
   vqad::ops::AttentionBackendScope scope(vqad::AttentionBackend::kTorchSdpa);

@@ -19,6 +19,7 @@
 #include <limits>
 #include <string>
 
+#include "tests/support/errors.h"
 #include "vqad/config/linear_quantization.h"
 #include "vqad/core/error.h"
 #include "vqad/model/quant_plan.h"
@@ -35,14 +36,7 @@ namespace fs = std::filesystem;
 using vqad::nvfp4::ScaleMode;
 using vqad::ops::Nvfp4GemmRoute;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using vqad::test::error_of;
 
 std::string recipe(const std::string& quant, const std::string& lq = "") {
   std::string y =

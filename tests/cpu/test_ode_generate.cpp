@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "tests/support/errors.h"
 #include "test_ode_util.h"
 #include "vqad/cli/cmd_ode_cache.h"
 #include "vqad/core/error.h"
@@ -31,15 +32,7 @@ using namespace vqad::test_ode;
 
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "(no vqad::Error thrown)";
-}
+using vqad::test::error_of;
 
 sample::OdeGenerateSummary generate(const std::string& recipe, int64_t rank = 0, int64_t world = 1,
                                     const std::vector<std::string>& overrides = {}) {

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/errors.h"
 #include "vqad/config/linear_quantization.h"
 #include "vqad/core/error.h"
 #include "vqad/data/dataset.h"
@@ -50,14 +51,7 @@ using vqad::model::QuantConfig;
 using vqad::model::QuantMethod;
 using vqad::nvfp4::ScaleMode;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using vqad::test::error_of;
 
 // ---- reference: the unit-scaled operand e2m1(code) * S from the scalar block quantizer ----
 torch::Tensor ref_unit_operand(const torch::Tensor& t, float s_enc) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/errors.h"
 #include "vqad/core/attention_backend.h"
 #include "vqad/core/error.h"
 #include "vqad/numerics/vsa_ref.h"
@@ -30,14 +31,7 @@ aq::ConstView cview(const torch::Tensor& t) {
 }
 aq::View view(torch::Tensor& t) { return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)}; }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using vqad::test::error_of;
 
 struct Inputs {
   torch::Tensor q, k, v, gate, d_o;

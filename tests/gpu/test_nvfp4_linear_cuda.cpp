@@ -16,6 +16,7 @@
 #include <limits>
 #include <string>
 
+#include "tests/support/errors.h"
 #include "vqad/core/error.h"
 #include "vqad/ops/nvfp4_linear.h"
 #include "vqad/ops/nvfp4_packed_linear.h"
@@ -248,14 +249,7 @@ TEST(Nvfp4LinearCuda, DisabledQadLinearIsDenseOnGpu) {
 // ---- forward GEMM routes ------------------------------------------------------------------
 using vqad::ops::Nvfp4GemmRoute;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using vqad::test::error_of;
 
 TEST(Nvfp4LinearRoutes, WithoutFp4TensorCoresAutoIsFakeQuantBitForBitAndFp4IsRefused) {
   REQUIRE_GPU();
