@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <sstream>
 
 #include "test_dist_util.h"
 #include "vqad/core/error.h"
@@ -131,6 +133,29 @@ TEST(DistCollectives, LaunchedWorldsOf2And4PassEveryCheck) {
                                          " (Gloo): 15 checks passed"))
           << r.output;
   }
+  fs::remove_all(dir);
+}
+
+TEST(DistCollectives, LogDirHoldsEachRanksOutput) {
+  VQAD_SKIP_WITHOUT_GLOO();
+  auto dir = fresh("logdir");
+  auto r = test_dist::run_vqad("launch --nproc 2 --log-dir " + (dir / "logs").string() + " dist check --timeout 30",
+                               dir / "launch.log");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(contains(r.output, "checks passed")) << r.output;  // not on the launcher's terminal
+  for (int k = 0; k < 2; ++k) {
+    std::ifstream f(dir / "logs" / ("rank_" + std::to_string(k) + ".log"));
+    std::stringstream ss;
+    ss << f.rdbuf();
+    EXPECT_TRUE(contains(ss.str(), "dist check: rank " + std::to_string(k) + " of 2 (Gloo): 15 checks passed"))
+        << ss.str();
+  }
+  // A failing rank is named with its log file.
+  auto bad = test_dist::run_vqad("launch --nproc 2 --grace 5 --log-dir " + (dir / "bad").string() +
+                                     " dist check --timeout 20 --fault-rank 1 --fault exit",
+                                 dir / "bad.log");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_TRUE(contains(bad.output, "its output: " + (dir / "bad" / "rank_1.log").string())) << bad.output;
   fs::remove_all(dir);
 }
 

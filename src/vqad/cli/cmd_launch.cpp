@@ -7,8 +7,10 @@
 // When a rank fails it records that in the store (the other ranks name it in their own
 // error), gives the others --grace seconds to stop by themselves, then terminates them. The
 // exit status is 0 when every rank succeeded, else 1 with a line naming the first rank that
-// failed and how.
+// failed and how. The ranks write to the launcher's terminal (the trainer logs and writes
+// metrics from rank 0 only), or with --log-dir DIR each to DIR/rank_<r>.log.
 #include <ATen/CPUGeneratorImpl.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -17,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -124,6 +127,7 @@ struct LaunchOptions {
   int nproc = 1;
   int master_port = 0;  // 0: a free port
   double grace_s = 60;
+  std::string log_dir;  // non-empty: rank r's stdout and stderr go to log_dir/rank_<r>.log
   std::vector<std::string> args;
 };
 
@@ -171,6 +175,18 @@ int launch(const LaunchOptions& o) {
     envp[r].push_back(nullptr);
   }
 
+  // Per-rank logs: the files are named here, opened by each child before exec.
+  std::vector<std::string> logs;
+  if (!o.log_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.log_dir, ec);
+    VQAD_CHECK(!ec && std::filesystem::is_directory(o.log_dir), "launch --log-dir ", o.log_dir,
+               ": cannot create the directory (", ec.message(), ")");
+    for (int r = 0; r < o.nproc; ++r)
+      logs.push_back((std::filesystem::path(o.log_dir) / ("rank_" + std::to_string(r) + ".log")).string());
+    std::fprintf(stderr, "vqad launch: the output of rank r goes to %s/rank_<r>.log\n", o.log_dir.c_str());
+  }
+
   struct sigaction sa {};
   sa.sa_handler = forward_signal;
   sigemptyset(&sa.sa_mask);
@@ -181,6 +197,13 @@ int launch(const LaunchOptions& o) {
     pid_t pid = ::fork();
     VQAD_CHECK(pid >= 0, "launch: fork failed for rank ", r, ": ", std::strerror(errno));
     if (pid == 0) {
+      if (!logs.empty()) {  // open / dup2 / close only between fork and exec
+        const int fd = ::open(logs[r].c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0) ::_exit(126);
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+        ::close(fd);
+      }
       ::execve("/proc/self/exe", argv.data(), envp[r].data());
       ::_exit(127);
     }
@@ -220,8 +243,9 @@ int launch(const LaunchOptions& o) {
           first_failed = r;
           first_status = status;
           grace_end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.grace_s * 1000));
-          std::fprintf(stderr, "vqad launch: rank %d %s; waiting up to %g s for the other ranks to stop\n", r,
-                       how(status).c_str(), o.grace_s);
+          std::fprintf(stderr, "vqad launch: rank %d %s%s; waiting up to %g s for the other ranks to stop\n", r,
+                       how(status).c_str(), logs.empty() ? "" : (" (its output: " + logs[r] + ")").c_str(),
+                       o.grace_s);
         }
       }
       continue;
@@ -249,7 +273,8 @@ int launch(const LaunchOptions& o) {
     if (r != first_failed) others += (others.empty() ? "" : ", ") + std::to_string(r);
   fail("launch: rank ", first_failed, " of ", o.nproc, " failed first (", how(first_status), ")",
        others.empty() ? std::string() : "; ranks that failed after it: " + others,
-       terminated ? "; the remaining ranks were terminated after the grace period" : "");
+       terminated ? "; the remaining ranks were terminated after the grace period" : "",
+       logs.empty() ? std::string() : "; its output: " + logs[static_cast<size_t>(first_failed)]);
 }
 
 }  // namespace
@@ -262,6 +287,8 @@ void register_launch_commands(CLI::App& app) {
   sub->add_option("--master-port", o->master_port, "port of the rendezvous store on 127.0.0.1 (default: a free one)");
   sub->add_option("--grace", o->grace_s,
                   "seconds the other ranks get to stop by themselves after one failed (default 60), then SIGTERM");
+  sub->add_option("--log-dir", o->log_dir,
+                  "write each rank's stdout and stderr to DIR/rank_<r>.log instead of this terminal");
   sub->prefix_command();  // everything from the first positional on is the rank's command line
   sub->footer("Example: vqad launch --nproc 4 train recipe.yaml --training.distributed.num_gpus 4");
   set_action(sub, [=] {
