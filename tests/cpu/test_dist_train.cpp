@@ -217,6 +217,22 @@ TEST_F(DistTrain, CheckpointOfWorld4ResumesOnWorld2ThenOnOneProcess) {
                        "4 -> 2 -> 1");
 }
 
+// A checkpoint written under SP 2 (world 2) resumes in one process and continues like the
+// uninterrupted one-process run (the state is replicated; the sampler position is global).
+TEST_F(DistTrain, SequenceParallelCheckpointResumesInOneProcess) {
+  const std::string lr = " --training.optimizer.lr_scheduler constant_with_warmup";
+  auto straight = train(1, root / "straight", 4, 2, lr);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const auto out = root / "sp_resumed";
+  auto a = train(2, out, 2, 2, lr, 2);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = train(1, out, 4, 2, lr + " --training.checkpoint.resume_from_checkpoint latest");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  expect_close_metrics(out, root / "straight", "SP 2 -> 1");
+  expect_close_weights(out / "checkpoint-4" / "student", root / "straight" / "checkpoint-4" / "student", 4,
+                       "SP 2 -> 1");
+}
+
 TEST_F(DistTrain, MeshThatDoesNotMatchTheLaunchIsRefused) {
   // num_gpus 2 in one process: the error says how to launch.
   auto one = test_dist::run_vqad("train " + recipe(2, root / "single", 1, 1).string() + " --device cpu --no-progress",

@@ -30,6 +30,7 @@
 #include "vqad/dist/process_group.h"
 #include "vqad/dist/ulysses.h"
 #include "vqad/model/wan/model.h"
+#include "vqad/ops/attention.h"
 
 extern char** environ;
 
@@ -37,67 +38,81 @@ namespace vqad::cli {
 namespace {
 
 // `vqad dist check`, Ulysses through the Wan model: a tiny model (2 heads per rank, fp32
-// compute, 16 tokens) run once whole and once under a SequenceParallelScope over the world,
-// with and without block checkpointing (whose recomputation exchanges again in backward).
-// The prediction and every parameter's gradient (summed over the ranks, as the trainer's
-// reduction does) must equal the whole run's to fp32 rounding (rel-L2 <= 1e-5; a missing
-// sum, a wrong RoPE slice or a swapped exchange is off by O(1)).
+// compute) run once whole and once under a SequenceParallelScope over the world, with and
+// without block checkpointing (whose recomputation exchanges again in backward), with dense
+// attention (16 tokens) and with VSA_TRAIN at sparsity 0.5 (128 tokens = two 4x4x4 cubes, a
+// random compression gate, so the exchanged gate and the cube selection on the whole
+// sequence matter). The prediction and every parameter's gradient (summed over the ranks, as
+// the trainer's reduction does) must equal the whole run's to fp32 rounding (rel-L2 <= 1e-5;
+// a missing sum, a wrong RoPE slice or a swapped exchange is off by O(1e-2) or more).
 int wan_sequence_parallel_check(dist::ProcessGroup& pg) {
   const int W = pg.size();
   const auto dev = pg.device();
-  model::WanConfig c = model::WanConfig::tiny();
-  c.num_attention_heads = 2 * W;
-  c.attention_head_dim = 12;
-  model::WanModelOptions mo;
-  mo.device = dev;
-  mo.compute_dtype = torch::kFloat32;
-  model::WanModel m(c, mo);
-  {
-    torch::NoGradGuard ng;
-    for (auto& p : m.parameters()) {
-      auto d = p.detach();
-      pg.broadcast(d, 0, "model check parameters");
-    }
-  }
-  auto g = at::make_generator<at::CPUGeneratorImpl>(5);
-  const auto f32 = torch::TensorOptions(torch::kFloat32);
-  auto x = at::randn({2, c.in_channels, 2, 4, 8}, g, f32).to(dev);
-  auto text = at::randn({2, 7, c.text_dim}, g, f32).to(dev);
-  auto w = at::randn({2, c.out_channels, 2, 4, 8}, g, f32).to(dev);
-  auto t = torch::tensor({500.0f, 120.0f}).to(dev);
-  auto run = [&](bool sp, bool ckpt) {
-    m.set_gradient_checkpointing(ckpt);
-    for (auto& p : m.parameters()) p.mutable_grad() = torch::Tensor();
-    dist::SequenceParallelScope scope(sp ? &pg : nullptr);
-    auto y = m.forward(x, t, text);
-    (y * w).sum().backward();
-    std::vector<std::pair<std::string, torch::Tensor>> grads;
-    for (const auto& item : m.named_parameters()) {
-      auto gr = item.value().grad();
-      grads.emplace_back(item.key(), gr.defined() ? gr.detach().clone() : torch::zeros_like(item.value()));
-    }
-    return std::make_pair(y.detach(), grads);
-  };
-  auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
-    const double den = b.to(torch::kFloat64).norm().item<double>();
-    return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).norm().item<double>() / std::max(den, 1e-30);
-  };
-  const auto whole = run(false, false);
   int checks = 0;
-  for (bool ckpt : {false, true}) {
-    auto sp = run(true, ckpt);
-    const std::string how = ckpt ? " (block checkpointing)" : "";
-    const double ey = rel(sp.first, whole.first);
-    VQAD_CHECK(ey <= 1e-5, "dist check: Wan forward under sequence parallelism", how,
-               ": prediction differs from the whole-sequence run, rel-L2 ", ey);
-    for (size_t i = 0; i < sp.second.size(); ++i) {
-      auto& gr = sp.second[i].second;
-      pg.all_reduce(gr, dist::ReduceOp::kSum, "model check gradient " + sp.second[i].first);
-      const double e = rel(gr, whole.second[i].second);
-      VQAD_CHECK(e <= 1e-5, "dist check: Wan backward under sequence parallelism", how, ": gradient of ",
-                 sp.second[i].first, " (summed over the SP ranks) differs from the whole-sequence run, rel-L2 ", e);
+  for (const bool vsa : {false, true}) {
+    ops::AttentionSpec spec;
+    if (vsa) {
+      spec.backend = AttentionBackend::kVsaTrain;
+      spec.vsa.sparsity = 0.5;
     }
-    ++checks;
+    ops::AttentionBackendScope backend(spec);
+    model::WanConfig c = model::WanConfig::tiny();
+    c.num_attention_heads = 2 * W;
+    c.attention_head_dim = 16;
+    model::WanModelOptions mo;
+    mo.device = dev;
+    mo.compute_dtype = torch::kFloat32;
+    model::WanModel m(c, mo);
+    if (vsa) m.set_vsa_sparsity(0.5);
+    {
+      torch::NoGradGuard ng;
+      for (int64_t i = 0; i < m.num_blocks(); ++i)
+        if (auto& gc = m.block(i).to_gate_compress) gc->weight.normal_(0.0, 0.2);
+      for (auto& p : m.parameters()) {
+        auto d = p.detach();
+        pg.broadcast(d, 0, "model check parameters");
+      }
+    }
+    const std::vector<int64_t> grid = vsa ? std::vector<int64_t>{4, 8, 16} : std::vector<int64_t>{2, 4, 8};
+    auto g = at::make_generator<at::CPUGeneratorImpl>(5);
+    const auto f32 = torch::TensorOptions(torch::kFloat32);
+    auto x = at::randn({2, c.in_channels, grid[0], grid[1], grid[2]}, g, f32).to(dev);
+    auto text = at::randn({2, 7, c.text_dim}, g, f32).to(dev);
+    auto w = at::randn({2, c.out_channels, grid[0], grid[1], grid[2]}, g, f32).to(dev);
+    auto t = torch::tensor({500.0f, 120.0f}).to(dev);
+    auto run = [&](bool sp, bool ckpt) {
+      m.set_gradient_checkpointing(ckpt);
+      for (auto& p : m.parameters()) p.mutable_grad() = torch::Tensor();
+      dist::SequenceParallelScope scope(sp ? &pg : nullptr);
+      auto y = m.forward(x, t, text);
+      (y * w).sum().backward();
+      std::vector<std::pair<std::string, torch::Tensor>> grads;
+      for (const auto& item : m.named_parameters()) {
+        auto gr = item.value().grad();
+        grads.emplace_back(item.key(), gr.defined() ? gr.detach().clone() : torch::zeros_like(item.value()));
+      }
+      return std::make_pair(y.detach(), grads);
+    };
+    auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+      const double den = b.to(torch::kFloat64).norm().item<double>();
+      return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).norm().item<double>() / std::max(den, 1e-30);
+    };
+    const auto whole = run(false, false);
+    for (bool ckpt : {false, true}) {
+      auto sp = run(true, ckpt);
+      const std::string how = std::string(vsa ? " (VSA_TRAIN" : " (dense") + (ckpt ? ", block checkpointing)" : ")");
+      const double ey = rel(sp.first, whole.first);
+      VQAD_CHECK(ey <= 1e-5, "dist check: Wan forward under sequence parallelism", how,
+                 ": prediction differs from the whole-sequence run, rel-L2 ", ey);
+      for (size_t i = 0; i < sp.second.size(); ++i) {
+        auto& gr = sp.second[i].second;
+        pg.all_reduce(gr, dist::ReduceOp::kSum, "model check gradient " + sp.second[i].first);
+        const double e = rel(gr, whole.second[i].second);
+        VQAD_CHECK(e <= 1e-5, "dist check: Wan backward under sequence parallelism", how, ": gradient of ",
+                   sp.second[i].first, " (summed over the SP ranks) differs from the whole-sequence run, rel-L2 ", e);
+      }
+      ++checks;
+    }
   }
   return checks;
 }
