@@ -66,12 +66,23 @@ struct DistTrain : ::testing::Test {
 
   test_dist::RunResult train(int world, const fs::path& out, long steps, long save, const std::string& extra = "",
                              int sp = 1) {
-    const std::string cmd = "train " + recipe(world, out, steps, save, sp).string() +
-                            " --device cpu --no-progress --dist-timeout 60" + extra;
-    return test_dist::run_vqad(world == 1 ? cmd : "launch --nproc " + std::to_string(world) + " " + cmd,
-                               root / (out.filename().string() + "_w" + std::to_string(world) + ".log"));
+    return train_recipe(world, recipe(world, out, steps, save, sp), extra,
+                        root / (out.filename().string() + "_w" + std::to_string(world) + ".log"));
+  }
+
+  // `vqad train RECIPE` on the CPU, launched as `world` ranks (one plain process for 1).
+  static test_dist::RunResult train_recipe(int world, const fs::path& recipe, const std::string& extra,
+                                           const fs::path& log) {
+    const std::string cmd = "train " + recipe.string() + " --device cpu --no-progress --dist-timeout 60" + extra;
+    return test_dist::run_vqad(world == 1 ? cmd : "launch --nproc " + std::to_string(world) + " " + cmd, log);
   }
 };
+
+// The mesh a checkpoint's trainer state records.
+nlohmann::json mesh_of(const fs::path& checkpoint) {
+  std::ifstream f(checkpoint / "trainer_state.json");
+  return nlohmann::json::parse(f).at("distributed");
+}
 
 std::vector<double> losses(const fs::path& out) {
   std::vector<double> v;
@@ -121,10 +132,9 @@ TEST_F(DistTrain, ReplicatedWorldsOf2And4MatchOneProcess) {
     expect_close_weights(out / "checkpoint-3" / "student", root / "w1" / "checkpoint-3" / "student", 3,
                          "world " + std::to_string(w));
     // Rank 0 alone wrote the metrics and the checkpoint, with the mesh recorded.
-    std::ifstream f(out / "checkpoint-3" / "trainer_state.json");
-    auto state = nlohmann::json::parse(f);
-    EXPECT_EQ(state.at("distributed").at("world_size").get<int>(), w);
-    EXPECT_EQ(state.at("distributed").at("hsdp_replicate_dim").get<int>(), w);
+    const auto mesh = mesh_of(out / "checkpoint-3");
+    EXPECT_EQ(mesh.at("world_size").get<int>(), w);
+    EXPECT_EQ(mesh.at("hsdp_replicate_dim").get<int>(), w);
   }
 }
 
@@ -145,10 +155,9 @@ TEST_F(DistTrain, SequenceParallelWorldsOf2And4MatchOneProcess) {
     expect_close_metrics(out, root / "w1", "SP 2, world " + std::to_string(w));
     expect_close_weights(out / "checkpoint-3" / "student", root / "w1" / "checkpoint-3" / "student", 3,
                          "SP 2, world " + std::to_string(w));
-    std::ifstream f(out / "checkpoint-3" / "trainer_state.json");
-    auto state = nlohmann::json::parse(f);
-    EXPECT_EQ(state.at("distributed").at("sp_size").get<int>(), 2);
-    EXPECT_EQ(state.at("distributed").at("dp_size").get<int>(), w / 2);
+    const auto mesh = mesh_of(out / "checkpoint-3");
+    EXPECT_EQ(mesh.at("sp_size").get<int>(), 2);
+    EXPECT_EQ(mesh.at("dp_size").get<int>(), w / 2);
   }
 }
 
@@ -182,9 +191,7 @@ TEST_F(DistTrain, Dmd2UnderSequenceParallelMatchesOneProcess) {
         "pipeline:\n  flow_shift: 3.0\n";
     const fs::path p = root / ("dmd_w" + std::to_string(world) + ".yaml");
     std::ofstream(p) << y;
-    const std::string cmd = "train " + p.string() + " --device cpu --no-progress --dist-timeout 60";
-    return test_dist::run_vqad(world == 1 ? cmd : "launch --nproc " + std::to_string(world) + " " + cmd,
-                               root / ("dmd_w" + std::to_string(world) + ".log"));
+    return train_recipe(world, p, "", root / ("dmd_w" + std::to_string(world) + ".log"));
   };
   auto one = dmd(1, root / "dmd1");
   ASSERT_EQ(one.exit_code, 0) << one.output;

@@ -155,9 +155,6 @@ torch::Tensor WanModel::forward(const torch::Tensor& x, const torch::Tensor& tim
                e.cond.grid[1], "x", e.cond.grid[2], " gives ", S,
                " tokens, which training.distributed.sp_size = ", P,
                " does not divide (choose an sp_size that divides the token count, or sp_size 1)");
-    VQAD_CHECK(config_.num_attention_heads % P == 0, "Wan forward under sequence parallelism: ",
-               config_.num_attention_heads, " attention heads are not divisible by training.distributed.sp_size = ",
-               P);
     VQAD_CHECK(!taps, "Wan forward: block taps are not available under sequence parallelism (the taps would hold "
                       "one rank's slice of the sequence)");
     const int64_t n = S / P, off = sp->rank() * n;
