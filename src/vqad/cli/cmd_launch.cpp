@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "vqad/cli/commands.h"
 #include "vqad/core/error.h"
 #include "vqad/dist/check.h"
+#include "vqad/dist/fully_sharded.h"
 #include "vqad/dist/process_group.h"
 #include "vqad/dist/ulysses.h"
 #include "vqad/model/wan/model.h"
@@ -40,7 +42,7 @@ namespace {
 // `vqad dist check`, Ulysses through the Wan model: a tiny model (2 heads per rank, fp32
 // compute) run once whole and once under a SequenceParallelScope over the world, with and
 // without block checkpointing (whose recomputation exchanges again in backward), with dense
-// attention (16 tokens) and with VSA_TRAIN at sparsity 0.5 (128 tokens = two 4x4x4 cubes, a
+// attention (8 W tokens) and with VSA_TRAIN at sparsity 0.5 (128 tokens = two 4x4x4 cubes, a
 // random compression gate, so the exchanged gate and the cube selection on the whole
 // sequence matter). The prediction and every parameter's gradient (summed over the ranks, as
 // the trainer's reduction does) must equal the whole run's to fp32 rounding (rel-L2 <= 1e-5;
@@ -73,7 +75,10 @@ int wan_sequence_parallel_check(dist::ProcessGroup& pg) {
         pg.broadcast(d, 0, "model check parameters");
       }
     }
-    const std::vector<int64_t> grid = vsa ? std::vector<int64_t>{4, 8, 16} : std::vector<int64_t>{2, 4, 8};
+    // Latent grids whose token counts W divides (the patch is 1 x 2 x 2): dense W x 2 x 4
+    // tokens; VSA 4 x 4 x 8 (two 4x4x4 cubes) or, when W does not divide 128, W times as many frames.
+    const std::vector<int64_t> grid = vsa ? std::vector<int64_t>{128 % W == 0 ? 4 : 4 * W, 8, 16}
+                                          : std::vector<int64_t>{W, 4, 8};
     auto g = at::make_generator<at::CPUGeneratorImpl>(5);
     const auto f32 = torch::TensorOptions(torch::kFloat32);
     auto x = at::randn({2, c.in_channels, grid[0], grid[1], grid[2]}, g, f32).to(dev);
@@ -117,6 +122,80 @@ int wan_sequence_parallel_check(dist::ProcessGroup& pg) {
   return checks;
 }
 
+// Sharded data parallelism through the same tiny Wan model (fp32, TORCH_SDPA), the world
+// as the shard group: each rank runs its own batch. The prediction must equal the unsharded
+// model's on the same rank (the gathered weights are the same fp32 values), and the
+// reduce-scattered shard gradients, gathered in full, the sum over the ranks of the unsharded
+// gradients (rel-L2 <= 1e-5; a shard gathered to the wrong place or a gradient reduced twice
+// is off by O(1)). Variants: a unit per block, released after forward; with block
+// checkpointing (the recomputation after the backward gather); two blocks per unit kept
+// gathered from forward to backward.
+int wan_sharded_check(dist::ProcessGroup& pg) {
+  const auto dev = pg.device();
+  struct Variant {
+    bool ckpt, reshard;
+    int64_t blocks_per_unit;
+    const char* name;
+  };
+  int checks = 0;
+  for (const Variant v : {Variant{false, true, 1, "a unit per block"},
+                          Variant{true, true, 1, "a unit per block, block checkpointing"},
+                          Variant{false, false, 2, "two blocks per unit, no reshard after forward"}}) {
+    model::WanConfig c = model::WanConfig::tiny();
+    c.attention_head_dim = 16;
+    model::WanModelOptions mo;
+    mo.device = dev;
+    mo.compute_dtype = torch::kFloat32;
+    model::WanModel m(c, mo);
+    {
+      torch::NoGradGuard ng;
+      for (auto& p : m.parameters()) {
+        auto d = p.detach();
+        pg.broadcast(d, 0, "sharded check parameters");
+      }
+    }
+    m.set_gradient_checkpointing(v.ckpt);
+    auto g = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(7 + pg.rank()));
+    const auto f32 = torch::TensorOptions(torch::kFloat32);
+    auto x = at::randn({2, c.in_channels, 2, 4, 8}, g, f32).to(dev);
+    auto text = at::randn({2, 7, c.text_dim}, g, f32).to(dev);
+    auto w = at::randn({2, c.out_channels, 2, 4, 8}, g, f32).to(dev);
+    auto t = torch::tensor({500.0f, 120.0f}).to(dev);
+    auto step = [&] {
+      auto y = m.forward(x, t, text);
+      (y * w).sum().backward();
+      return y.detach();
+    };
+    const auto y_whole = step();
+    std::map<std::string, torch::Tensor> summed;
+    for (const auto& item : m.named_parameters()) {
+      auto gr = item.value().grad();
+      auto s = gr.defined() ? gr.detach().clone() : torch::zeros_like(item.value());
+      pg.all_reduce(s, dist::ReduceOp::kSum, "sharded check gradient " + item.key());
+      summed[item.key()] = s;
+      item.value().mutable_grad() = torch::Tensor();
+    }
+    dist::FullyShardedModel sharded("check", m.shard_units(v.blocks_per_unit),
+                                    dist::ShardingOptions{&pg, nullptr, 1, v.reshard});
+    m.set_sharding(&sharded, v.blocks_per_unit);
+    const auto y = step();
+    sharded.finish_backward();
+    const std::string how = std::string(" (") + v.name + ")";
+    VQAD_CHECK(torch::equal(y, y_whole), "dist check: Wan forward under sharded data parallelism", how,
+               ": prediction differs from the unsharded model's, max |diff| ",
+               (y - y_whole).abs().max().item<double>());
+    for (const auto& [name, gr] : sharded.gather_gradients()) {
+      const auto& want = summed.at(name);
+      const double den = want.to(torch::kFloat64).norm().item<double>();
+      const double e = (gr.to(torch::kFloat64) - want.to(torch::kFloat64)).norm().item<double>() / std::max(den, 1e-30);
+      VQAD_CHECK(e <= 1e-5, "dist check: Wan backward under sharded data parallelism", how, ": gradient of ", name,
+                 " (reduce-scattered) differs from the sum of the ranks' unsharded gradients, rel-L2 ", e);
+    }
+    m.set_sharding(nullptr, 1);
+    ++checks;
+  }
+  return checks;
+}
 
 volatile sig_atomic_t g_signal = 0;
 pid_t g_children[1024];
@@ -322,7 +401,7 @@ void register_launch_commands(CLI::App& app) {
   chk->add_option("--fault-rank", c->fault_rank, "rank that misbehaves (fault injection)");
   chk->add_option("--fault", c->fault, "none (default) | exit | kill | hang | error, after the first collective");
   set_action(chk, [=] {
-    c->extra = {wan_sequence_parallel_check};
+    c->extra = {wan_sequence_parallel_check, wan_sharded_check};
     return dist::run_collective_check(*c);
   });
 }

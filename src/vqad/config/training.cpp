@@ -9,7 +9,7 @@ namespace vqad::train::sections {
 
 namespace {
 
-const char* kSharded = "sharded data parallelism (the trainer refuses hsdp_shard_dim > 1)";
+const char* kShardingKnob = "a sharding option vqad does not offer (only its default is accepted)";
 const std::vector<std::string> kCheckpointingTypes = {"", "full", "ops", "block_skip"};
 
 const SectionSchema& distributed_schema() {
@@ -21,15 +21,19 @@ const SectionSchema& distributed_schema() {
           key("sp_size", K::kInt, nullptr,
               "sequence parallel (Ulysses) size; divides num_gpus and the heads; default num_gpus", true),
           key("hsdp_replicate_dim", K::kInt, 1, "HSDP replica groups", true),
-          planned(key("hsdp_shard_dim", K::kInt, nullptr, "HSDP shard group size; default num_gpus, -1 = the rest",
-                      true),
-                  kSharded),
-          planned(key("pin_cpu_memory", K::kBool, false, "pin host memory of sharded state"), kSharded),
-          planned(key("reshard_after_forward", K::kBool, true, "free gathered shards after forward"), kSharded),
-          planned(key("fsdp_modules_per_group", K::kInt, 1, "blocks per sharding unit"), kSharded),
-          planned(choice_key("reduce_dtype", {"fp32", "bf16"}, "fp32", "gradient reduction dtype", true), kSharded),
+          key("hsdp_shard_dim", K::kInt, nullptr,
+              "HSDP shard group size (parameters, gradients and AdamW state split over it); default num_gpus, "
+              "-1 = the rest",
+              true),
+          planned(key("pin_cpu_memory", K::kBool, false, "pin host memory of sharded state"), kShardingKnob),
+          key("reshard_after_forward", K::kBool, true,
+              "free a gathered unit after its forward (gathered again for its backward); false keeps it until its "
+              "backward"),
+          key("fsdp_modules_per_group", K::kInt, 1, "blocks per sharding unit (gathered and released together)"),
+          planned(choice_key("reduce_dtype", {"fp32", "bf16"}, "fp32", "gradient reduction dtype", true),
+                  kShardingKnob),
           planned(key("fsdp_symmetric_memory", K::kBool, false, "symmetric-memory collectives (a GPU-memory knob)"),
-                  kSharded),
+                  kShardingKnob),
       }};
   return s;
 }
@@ -283,16 +287,14 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
               std::to_string(x.hsdp_shard_dim) + ") = " + std::to_string(x.hsdp_replicate_dim * x.hsdp_shard_dim) +
               " must equal num_gpus (" + std::to_string(x.num_gpus) + ")");
     check(x.fsdp_modules_per_group >= 1, ctx, p + ".fsdp_modules_per_group", "must be >= 1");
-    // The sharding knobs act on sharded data parallelism, which is not built: a value that
-    // asks for something is refused rather than ignored (the defaults ask for nothing).
-    const std::string unsharded = "applies to sharded data parallelism (hsdp_shard_dim > 1), which this vqad "
-                                  "build does not have; leave the default";
+    // Sharding options vqad does not offer: a value that asks for one is refused rather than
+    // ignored (the defaults ask for nothing).
     check(x.reduce_dtype == "fp32", ctx, p + ".reduce_dtype",
           "vqad reduces gradients in fp32 only, found '" + x.reduce_dtype + "'");
-    check(!x.pin_cpu_memory, ctx, p + ".pin_cpu_memory", unsharded + " (false)");
-    check(x.reshard_after_forward, ctx, p + ".reshard_after_forward", unsharded + " (true)");
-    check(x.fsdp_modules_per_group == 1, ctx, p + ".fsdp_modules_per_group", unsharded + " (1)");
-    check(!x.fsdp_symmetric_memory, ctx, p + ".fsdp_symmetric_memory", unsharded + " (false)");
+    check(!x.pin_cpu_memory, ctx, p + ".pin_cpu_memory",
+          "vqad keeps sharded state on the training device (no host offload); leave the default (false)");
+    check(!x.fsdp_symmetric_memory, ctx, p + ".fsdp_symmetric_memory",
+          "vqad's collectives do not use symmetric memory; leave the default (false)");
   }
   {
     Section d = t.sub("data", data_schema());

@@ -25,9 +25,10 @@ std::unique_ptr<DataParallel> DataParallel::create(const MeshSpec& mesh) {
   if (world_size == 1) return nullptr;
   VQAD_CHECK(mesh.sp_size >= 1 && world_size % mesh.sp_size == 0, p, ".sp_size = ", mesh.sp_size,
              " does not divide the ", world_size, " launched ranks");
-  VQAD_CHECK(mesh.hsdp_shard_dim == 1, p, ".hsdp_shard_dim = ", mesh.hsdp_shard_dim,
-             ": sharded data parallelism is not available in this vqad build; replicate instead with "
-             "--training.distributed.hsdp_replicate_dim ", mesh.num_gpus, " --training.distributed.hsdp_shard_dim 1");
+  VQAD_CHECK(mesh.hsdp_shard_dim >= 1 && mesh.hsdp_replicate_dim >= 1 &&
+                 mesh.hsdp_replicate_dim * mesh.hsdp_shard_dim == world_size,
+             p, ": hsdp_replicate_dim (", mesh.hsdp_replicate_dim, ") x hsdp_shard_dim (", mesh.hsdp_shard_dim,
+             ") must equal the ", world_size, " launched ranks");
   return std::make_unique<DataParallel>(w, mesh);
 }
 
@@ -38,6 +39,22 @@ DataParallel::DataParallel(std::shared_ptr<ProcessGroup> world, MeshSpec mesh)
     std::vector<int> ranks;
     for (int k = 0; k < mesh_.sp_size; ++k) ranks.push_back(world_->global_ranks()[first + k]);
     sp_ = world_->subgroup("sp" + std::to_string(first / mesh_.sp_size), ranks);
+  }
+  const int64_t S = mesh_.hsdp_shard_dim, R = mesh_.hsdp_replicate_dim;
+  if (S > 1) {
+    const int r = world_->rank();
+    if (S == world_->size()) {
+      shard_ = world_;
+    } else {
+      std::vector<int> ranks;
+      for (int64_t k = 0; k < S; ++k) ranks.push_back(world_->global_ranks()[r / S * S + k]);
+      shard_ = world_->subgroup("shard" + std::to_string(r / S), ranks);
+    }
+    if (R > 1) {
+      std::vector<int> ranks;
+      for (int64_t k = 0; k < R; ++k) ranks.push_back(world_->global_ranks()[r % S + k * S]);
+      replicate_ = world_->subgroup("replicate" + std::to_string(r % S), ranks);
+    }
   }
 }
 

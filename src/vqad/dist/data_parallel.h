@@ -1,7 +1,10 @@
-// Data parallelism for the trainer: replicated parameters (mesh hsdp_replicate_dim = world,
-// shard 1) with optional Ulysses sequence parallelism (sp_size P | world: the SP groups are
-// the consecutive ranks {g P, ..., g P + P - 1}; the ranks of one group share batch and noise
-// and split the sequence, dist/ulysses.h).
+// Data parallelism for the trainer over the mesh hsdp_replicate_dim R x hsdp_shard_dim S
+// (R S = world), with optional Ulysses sequence parallelism (sp_size P | world: the SP groups
+// are the consecutive ranks {g P, ..., g P + P - 1}; the ranks of one group share batch and
+// noise and split the sequence, dist/ulysses.h). With S = 1 the parameters are replicated
+// (this class reduces the gradients); with S > 1 they are sharded over the shard groups, the
+// consecutive ranks {g S, ..., g S + S - 1}, and replicated over the replicate groups
+// {r, r + S, r + 2 S, ...} (dist/fully_sharded.h reduces the gradients of sharded models).
 //
 // What the trainer calls:
 //  - at start: check_same_run (every rank runs the same resolved config and the same vqad
@@ -51,6 +54,11 @@ class DataParallel {
   int64_t sp_size() const { return mesh_.sp_size; }
   // This rank's SP group (nullptr when sp_size is 1).
   ProcessGroup* sp_group() { return sp_.get(); }
+  // Sharded data parallelism (hsdp_shard_dim > 1): this rank's shard group and replicate
+  // group (nullptr when hsdp_replicate_dim is 1).
+  bool sharded() const { return mesh_.hsdp_shard_dim > 1; }
+  ProcessGroup* shard_group() { return shard_ ? shard_.get() : nullptr; }
+  ProcessGroup* replicate_group() { return replicate_.get(); }
 
   // Every rank must present the same value (e.g. a sha256); the error names the first rank
   // that differs from rank 0 and both values.
@@ -67,7 +75,7 @@ class DataParallel {
 
  private:
   std::shared_ptr<ProcessGroup> world_;
-  std::shared_ptr<ProcessGroup> sp_;
+  std::shared_ptr<ProcessGroup> sp_, shard_, replicate_;
   MeshSpec mesh_;
 };
 

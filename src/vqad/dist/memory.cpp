@@ -36,14 +36,20 @@ int64_t wan_parameter_count(const model::WanConfig& c) {
 MemoryEstimate estimate_memory(const std::vector<RoleFootprint>& roles, const MemoryMesh& m) {
   VQAD_CHECK(m.shard >= 1 && m.sp >= 1 && m.replicate >= 1 && m.batch >= 1, "memory estimate: invalid mesh");
   MemoryEstimate e;
-  int64_t largest_block = 0;
+  double gathered = 0;  // bytes, the largest role's
   std::string parts;
   for (const auto& r : roles) {
     const double n = static_cast<double>(wan_parameter_count(r.model));
     const double s = n * (r.trainable ? 16.0 : 4.0) / static_cast<double>(m.shard) / kGiB;
     e.states_gib += s;
     parts += (parts.empty() ? "" : ", ") + r.name + " " + gib(s);
-    largest_block = std::max(largest_block, wan_block_parameter_count(r.model));
+    if (m.shard > 1) {
+      const double block = static_cast<double>(wan_block_parameter_count(r.model));
+      const double unit = block * static_cast<double>(std::min(m.blocks_per_unit, r.model.num_layers));
+      const double root = n - block * static_cast<double>(r.model.num_layers);
+      const double params = m.reshard_after_forward ? root + unit : n;
+      gathered = std::max(gathered, 4.0 * params + (r.trainable ? 8.0 * unit : 0.0));
+    }
     if (!r.trainable) continue;
     const double tokens = static_cast<double>(m.batch) * static_cast<double>(m.tokens_per_sample) /
                           static_cast<double>(m.sp);
@@ -53,10 +59,12 @@ MemoryEstimate estimate_memory(const std::vector<RoleFootprint>& roles, const Me
     e.activations_gib += (m.activation_checkpointing ? saved_inputs + working
                                                      : working * static_cast<double>(r.model.num_layers)) / kGiB;
   }
-  if (m.shard > 1) e.gathered_gib = static_cast<double>(largest_block) * (2 * 2.0 + 4.0) / kGiB;
+  e.gathered_gib = gathered / kGiB;
   e.text = "states (fp32 masters + grads + AdamW moments of trainable roles, fp32 weights of frozen ones, / shard " +
            std::to_string(m.shard) + "): " + gib(e.states_gib) + " (" + parts + ")\n" +
-           "gathered block buffers (bf16 params of 2 blocks + fp32 grads of 1 block): " + gib(e.gathered_gib) + "\n" +
+           "gathered buffers (fp32 params of the root and " +
+           (m.reshard_after_forward ? "one unit of " + std::to_string(m.blocks_per_unit) + " block(s)" : std::string("every block")) +
+           ", fp32 grads + reduce buffer of one unit): " + gib(e.gathered_gib) + "\n" +
            "activations (batch " + std::to_string(m.batch) + " x " + std::to_string(m.tokens_per_sample) +
            " tokens / sp " + std::to_string(m.sp) + ", checkpointing " +
            (m.activation_checkpointing ? "per block" : "off") + "): " + gib(e.activations_gib) + "\n" +

@@ -4,9 +4,11 @@
 //  - states: a trainable role holds FP32 master weights, FP32 gradients and two FP32 AdamW
 //    moments (16 bytes per parameter), a frozen role its FP32 weights (4 bytes); both are
 //    divided by hsdp_shard_dim (per-block sharding shards every role's blocks);
-//  - gathered buffers (shard > 1): the BF16 parameters of two blocks (the one computing and
-//    the prefetched next one) and the FP32 gradients of one block before its reduce-scatter,
-//    for the largest role;
+//  - gathered buffers (shard > 1, dist/fully_sharded.h), for the largest role: the FP32
+//    parameters of the root unit (kept from embedding to head) and of one unit of
+//    blocks_per_unit blocks, that unit's full FP32 gradients and the reduce-scatter buffer of
+//    the same size; without reshard_after_forward every block's FP32 parameters stay
+//    gathered from forward to backward;
 //  - activations of the trainable roles: with per-block activation checkpointing, the FP32
 //    input of every block plus the working set of one block's recompute and backward; without
 //    it, that working set for every block. The working set is modelled as
@@ -34,6 +36,8 @@ struct MemoryMesh {
   int64_t batch = 1;             // per-rank batch
   int64_t tokens_per_sample = 0; // full sequence (before SP)
   bool activation_checkpointing = false;
+  int64_t blocks_per_unit = 1;        // training.distributed.fsdp_modules_per_group
+  bool reshard_after_forward = true;  // training.distributed.reshard_after_forward
 };
 
 struct MemoryEstimate {

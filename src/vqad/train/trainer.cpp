@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "vqad/core/error.h"
@@ -19,6 +20,7 @@
 #include "vqad/data/sampler.h"
 #include "vqad/dist/batch_random.h"
 #include "vqad/dist/data_parallel.h"
+#include "vqad/dist/fully_sharded.h"
 #include "vqad/dist/ulysses.h"
 #include "vqad/dist/memory.h"
 #include "vqad/model/wan/model.h"
@@ -67,6 +69,11 @@ struct Trainer::Impl {
   std::unique_ptr<ValidationRunner> validation;
   std::optional<DevicePeak> peak;  // MFU denominator (none: no MFU)
   std::unique_ptr<dist::DataParallel> dp;  // null in a one-process run
+  // hsdp_shard_dim > 1: every role's parameters sharded (by role); a trainable role's
+  // optimizer then updates its shards, and full_params keeps its module parameters (the
+  // checkpoint's view).
+  std::map<std::string, std::unique_ptr<dist::FullyShardedModel>> sharded;
+  std::map<std::string, std::vector<torch::Tensor>> full_params;
   torch::Generator gen;
   long start_step = 0;
   std::string started_at;
@@ -97,9 +104,13 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   {
     const auto& d = tc.distributed;
     // A dry run builds and prints in one process, whatever the mesh.
-    VQAD_CHECK(d.sp_size == 1 || method.sequence_parallel, "training.distributed.sp_size = ", d.sp_size, ": method ",
-               method.name, " runs block ranges with taps, which are not split over sequence-parallel ranks; use "
-               "--training.distributed.sp_size 1 (the ranks then replicate)");
+    VQAD_CHECK(d.sp_size == 1 || method.whole_model_forwards, "training.distributed.sp_size = ", d.sp_size,
+               ": method ", method.name, " runs block ranges with taps, which are not split over sequence-parallel "
+               "ranks; use --training.distributed.sp_size 1 (the ranks then replicate)");
+    VQAD_CHECK(d.hsdp_shard_dim == 1 || method.whole_model_forwards, "training.distributed.hsdp_shard_dim = ",
+               d.hsdp_shard_dim, ": method ", method.name, " runs block ranges with taps, which sharded parameters "
+               "do not serve; use --training.distributed.hsdp_replicate_dim ", d.num_gpus,
+               " --training.distributed.hsdp_shard_dim 1 (the ranks then replicate)");
     if (!options_.dry_run)
       impl_->dp = dist::DataParallel::create({d.num_gpus, d.sp_size, d.hsdp_replicate_dim, d.hsdp_shard_dim});
   }
@@ -207,6 +218,8 @@ void Trainer::print_dry_run() const {
   if (dc.num_latent_t > 0 && dc.num_height > 0 && dc.num_width > 0)
     mm.tokens_per_sample = dc.num_latent_t / ps[0] * (dc.num_height / 8 / ps[1]) * (dc.num_width / 8 / ps[2]);
   mm.activation_checkpointing = student.config.enable_gradient_checkpointing_type == "full";
+  mm.blocks_per_unit = d.fsdp_modules_per_group;
+  mm.reshard_after_forward = d.reshard_after_forward;
   const auto est = dist::estimate_memory(fp, mm);
   std::cout << "# per-GPU memory estimate, mesh " << d.num_gpus << " GPUs = replicate " << d.hsdp_replicate_dim
             << " x shard " << d.hsdp_shard_dim << ", sp " << d.sp_size << ":\n";
@@ -257,6 +270,69 @@ TrainSummary Trainer::run() {
     I.dp->check_same("resolved config sha256", run_.resolved_sha256);
     for (auto& [name, role] : roles_) I.dp->broadcast_parameters(role->model->parameters(), "parameters " + name);
   }
+  if (I.dp && I.dp->sharded()) {
+    // Sharded data parallelism: each rank keeps its shards of every role (and of the AdamW
+    // state a resume loaded); the trainable roles' optimizers update the shards.
+    const auto& d = tc.distributed;
+    for (auto& [name, role] : roles_) {
+      auto s = std::make_unique<dist::FullyShardedModel>(
+          name, role->model->shard_units(d.fsdp_modules_per_group),
+          dist::ShardingOptions{I.dp->shard_group(), I.dp->replicate_group(), I.dp->dp_size(),
+                                d.reshard_after_forward});
+      role->model->set_sharding(s.get(), d.fsdp_modules_per_group);
+      if (auto it = I.optimizers.find(name); it != I.optimizers.end()) {
+        auto& o = it->second;
+        auto shards = s->trainable_shards();
+        std::set<const c10::TensorImpl*> updated;
+        for (const auto& p : o.params) updated.insert(p.unsafeGetTensorImpl());
+        size_t trainable = 0;
+        for (const auto& p : role->model->parameters()) trainable += p.requires_grad() ? 1 : 0;
+        VQAD_CHECK(trainable == o.params.size() && updated.size() == o.params.size(), "training.distributed."
+                   "hsdp_shard_dim = ", d.hsdp_shard_dim, ": models.", name, " has ", trainable, " trainable "
+                   "parameters but its optimizer updates ", o.params.size(), " (sharding needs them to be the same)");
+        const auto opts = static_cast<const torch::optim::AdamWOptions&>(o.adamw->defaults());
+        auto adamw = std::make_unique<torch::optim::AdamW>(shards, opts);
+        s->shard_adamw_state(*o.adamw, *adamw);
+        I.full_params[name] = o.params;
+        o.params = std::move(shards);
+        o.adamw = std::move(adamw);
+      }
+      I.sharded[name] = std::move(s);
+    }
+    if (main_rank)
+      log::info("sharded data parallel: parameters, gradients and AdamW state of ", roles_.size(),
+                " role(s) split over shard groups of ", d.hsdp_shard_dim, ", replicated ", d.hsdp_replicate_dim,
+                "x; reshard after forward ", d.reshard_after_forward ? "on" : "off", ", ",
+                d.fsdp_modules_per_group, " block(s) per unit");
+  }
+  // A sharded run's optimizers as the checkpoint sees them: over the module parameters, with
+  // the AdamW moments gathered in full (collective) when `with_state`.
+  auto full_view = [&](bool with_state) {
+    RoleOptimizers v;
+    for (auto& [name, o] : I.optimizers) {
+      RoleOptimizer f;
+      f.spec = o.spec;
+      f.schedule = o.schedule;
+      f.updates = o.updates;
+      f.params = I.full_params.at(name);
+      f.adamw = std::make_unique<torch::optim::AdamW>(
+          f.params, static_cast<const torch::optim::AdamWOptions&>(o.adamw->defaults()));
+      if (with_state) I.sharded.at(name)->full_adamw_state(*o.adamw, *f.adamw);
+      v.emplace(name, std::move(f));
+    }
+    return v;
+  };
+  const bool sharded = !I.sharded.empty();
+  // Validation samples the student on rank 0; a sharded student is gathered on every rank first.
+  const auto& vcfg = run_.callbacks.validation;
+  auto validate = [&](long step) {
+    dist::FullyShardedModel* s = I.sharded.count("student") ? I.sharded.at("student").get() : nullptr;
+    if (s) s->gather_all();
+    std::map<std::string, double> r;
+    if (I.validation) r = I.validation->run(step);
+    if (s) s->release_all();
+    return r;
+  };
 
   const long max_steps = tc.loop.max_train_steps;
   const long accum = std::max<long>(1, tc.loop.gradient_accumulation_steps);
@@ -271,15 +347,29 @@ TrainSummary Trainer::run() {
   summary.first_step = I.start_step + 1;
   long last_saved = -1;
   // The writer's host buffers are allocated in the background while the first steps run.
-  if (main_rank && save_every > 0) prepare_trainer_checkpoint(writer, run_, roles_, I.optimizers);
+  if (main_rank && save_every > 0) {
+    if (sharded)
+      prepare_trainer_checkpoint(writer, run_, roles_, full_view(false));
+    else
+      prepare_trainer_checkpoint(writer, run_, roles_, I.optimizers);
+  }
   // Replicated state: rank 0 snapshots it (its writer thread writes the files), the others
   // wait for the snapshot.
+  // Sharded: every rank gathers the trainable roles and their AdamW state in full for rank 0's
+  // snapshot, then releases them (the files are the replicated run's: any mesh resumes them).
   auto save = [&](long step) {
+    RoleOptimizers view;
+    if (sharded) {
+      for (auto& [name, o] : I.optimizers) I.sharded.at(name)->gather_all();
+      view = full_view(true);
+    }
     if (main_rank) {
       const nlohmann::json mesh = I.dp ? I.dp->mesh_json() : nlohmann::json{{"world_size", 1}};
-      summary.checkpoint_stall_s += save_trainer_checkpoint(writer, run_, roles_, step, I.optimizers, *I.loader,
-                                                            I.gen, I.started_at, mesh, resumed_metadata);
+      summary.checkpoint_stall_s += save_trainer_checkpoint(writer, run_, roles_, step, sharded ? view : I.optimizers,
+                                                            *I.loader, I.gen, I.started_at, mesh, resumed_metadata);
     }
+    if (sharded)
+      for (auto& [name, o] : I.optimizers) I.sharded.at(name)->release_all();
     last_saved = step;
     if (I.dp) I.dp->barrier("checkpoint " + std::to_string(step));
   };
@@ -287,7 +377,10 @@ TrainSummary Trainer::run() {
     writer.wait();
     return last_good_checkpoint_text(writer.last_good(), out);
   };
-  if (I.validation && I.validation->at_start() && I.start_step == 0) metrics->log(0, I.validation->run(0));
+  if (vcfg.enabled && vcfg.run_at_start && I.start_step == 0 && (I.validation || sharded)) {
+    auto r = validate(0);
+    if (metrics) metrics->log(0, r);
+  }
 
   for (long step = I.start_step + 1; step <= max_steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -313,12 +406,18 @@ TrainSummary Trainer::run() {
       for (const auto& [k, v] : r.metrics) rec[k] += v / static_cast<double>(accum);
       for (const auto& [k, v] : r.role_loss) role_loss[k] += v / static_cast<double>(accum);
       tokens += r.tokens;
+      // Sharded: what no hook reduce-scattered (the root unit) is, and every unit released.
+      for (auto& [name, s] : I.sharded) s->finish_backward();
     }
     if (I.dp) {
       // One gradient all-reduce per updated role and step (none per micro-batch); the losses
       // every rank logs and checks are the global averages.
-      for (const auto& name : I.method->roles_to_update(step))
-        I.dp->average_gradients(roles_.at(name)->trainable_parameters(), name);
+      for (const auto& name : I.method->roles_to_update(step)) {
+        if (auto it = I.sharded.find(name); it != I.sharded.end())
+          it->second->finish_step();
+        else
+          I.dp->average_gradients(roles_.at(name)->trainable_parameters(), name);
+      }
       I.dp->average_metrics(rec, "step metrics");
       I.dp->average_metrics(role_loss, "role losses");
       tokens = static_cast<int64_t>(I.dp->sum_over_dp(static_cast<double>(tokens), "tokens"));
@@ -328,8 +427,12 @@ TrainSummary Trainer::run() {
       auto& opt = I.optimizers.at(name);
       auto& role = *roles_.at(name);
       const double rloss = role_loss.count(name) ? role_loss.at(name) : loss;
+      dist::FullyShardedModel* sh = I.sharded.count(name) ? I.sharded.at(name).get() : nullptr;
       double norm;
-      if (run_.callbacks.grad_clip.enabled) {
+      if (sh) {
+        norm = run_.callbacks.grad_clip.enabled ? sh->clip_grad_norm(run_.callbacks.grad_clip.max_grad_norm)
+                                                : sh->grad_norm();
+      } else if (run_.callbacks.grad_clip.enabled) {
         norm = torch::nn::utils::clip_grad_norm_(opt.params, run_.callbacks.grad_clip.max_grad_norm);
       } else {
         std::vector<torch::Tensor> norms;
@@ -340,9 +443,14 @@ TrainSummary Trainer::run() {
       if (!std::isfinite(rloss) || !std::isfinite(norm)) {
         std::string bad;
         int nbad = 0;
-        for (const auto& item : role.model->named_parameters()) {
-          const auto& g = item.value().grad();
-          if (g.defined() && !torch::isfinite(g).all().item<bool>() && nbad++ < 8) bad += " " + item.key();
+        if (sh) {
+          for (const auto& n : sh->nonfinite_parameters(true))
+            if (nbad++ < 8) bad += " " + n;
+        } else {
+          for (const auto& item : role.model->named_parameters()) {
+            const auto& g = item.value().grad();
+            if (g.defined() && !torch::isfinite(g).all().item<bool>() && nbad++ < 8) bad += " " + item.key();
+          }
         }
         fail("step ", step, ": non-finite ", std::isfinite(rloss) ? "gradient" : "loss", " in role '", name,
              "' (loss ", rloss, ", grad norm ", norm, "); parameters with non-finite gradients:",
@@ -354,10 +462,13 @@ TrainSummary Trainer::run() {
       rec["lr/" + name] = lr;
       // The update itself (e.g. an infinite LR) may be what turns the weights non-finite.
       NamedTensors weights;
-      for (const auto& item : role.model->named_parameters(true))
-        if (item.value().requires_grad()) weights.emplace_back(item.key(), item.value());
+      if (!sh)
+        for (const auto& item : role.model->named_parameters(true))
+          if (item.value().requires_grad()) weights.emplace_back(item.key(), item.value());
       size_t nbad = 0;
-      if (auto bad = nonfinite_tensors(weights, 1, &nbad); !bad.empty())
+      auto bad = sh ? sh->nonfinite_parameters(false) : nonfinite_tensors(weights, 1, &nbad);
+      if (sh) nbad = bad.size();
+      if (!bad.empty())
         fail("step ", step, ": the optimizer update made ", nbad, " weight tensor(s) of role '", name,
              "' non-finite (first: ", bad[0], "; loss ", rloss, ", grad norm ", norm, ", lr ", lr,
              " were finite); nothing of step ", step, " was saved; ", last_good_text());
@@ -375,8 +486,8 @@ TrainSummary Trainer::run() {
       rec["mfu"] = step_flops(mc, per_sample, tc.data.train_batch_size * accum * dp, mc.text_len) / dt /
                    I.peak->bf16_dense_flops / static_cast<double>(world);
     }
-    if (I.validation && I.validation->due(step))
-      for (const auto& [k, v] : I.validation->run(step)) rec[k] = v;
+    if (vcfg.enabled && vcfg.every_steps > 0 && step % vcfg.every_steps == 0 && (I.validation || sharded))
+      for (const auto& [k, v] : validate(step)) rec[k] = v;
     if (metrics) metrics->log(step, rec);
     summary.losses.push_back(loss);
     summary.last_step = step;

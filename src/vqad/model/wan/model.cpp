@@ -74,6 +74,7 @@ WanModel::Embedded WanModel::embed(const torch::Tensor& x, const torch::Tensor& 
              "Wan forward: latent [T, H, W] = [", x.size(2), ", ", x.size(3), ", ", x.size(4),
              "] is not divisible by the patch (", p[0], ", ", p[1], ", ", p[2], ")");
 
+  if (sharded_) sharded_->gather(0);
   Embedded out;
   out.cond.grid = {x.size(2) / p[0], x.size(3) / p[1], x.size(4) / p[2]};
   out.hidden = patch_embedding->forward(x.to(cdt));
@@ -100,8 +101,13 @@ torch::Tensor WanModel::forward_blocks(int64_t begin, int64_t end, torch::Tensor
   // returns {output, attn_out, ffn_out} from one checkpointed segment and recomputes all
   // three in backward, so reconstruction losses on the taps keep no block activations.
   const bool ckpt = options_.gradient_checkpointing && torch::GradMode::is_enabled();
+  VQAD_CHECK(!sharded_ || !taps, "Wan model: block taps are not available under sharded data parallelism");
   for (int64_t i = begin; i < end; ++i) {
     WanBlock* blk = block_list_[i].get();
+    // Sharded: the block's unit is gathered before it runs and released after it.
+    const size_t unit = static_cast<size_t>(1 + i / blocks_per_unit_);
+    const bool unit_last = (i + 1) % blocks_per_unit_ == 0 || i + 1 == end;
+    if (sharded_) hidden = sharded_->enter_block(unit, i % blocks_per_unit_ == 0 || i == begin, hidden);
     if (ckpt && taps) {
       // The tapped tensors are outputs of the checkpointed segment: recomputed in backward
       // like the block output, differentiable through the same recomputation.
@@ -128,11 +134,41 @@ torch::Tensor WanModel::forward_blocks(int64_t begin, int64_t end, torch::Tensor
     } else {
       hidden = blk->forward(hidden, cond, nullptr);
     }
+    if (sharded_) hidden = sharded_->leave_block(unit, unit_last, hidden);
   }
   return hidden;
 }
 
+std::vector<dist::ShardUnitSpec> WanModel::shard_units(int64_t blocks_per_unit) {
+  VQAD_CHECK(blocks_per_unit >= 1, "Wan model: blocks per sharding unit must be >= 1, found ", blocks_per_unit);
+  const int64_t n_units = (num_blocks() + blocks_per_unit - 1) / blocks_per_unit;
+  std::vector<dist::ShardUnitSpec> units(static_cast<size_t>(1 + n_units));
+  units[0].name = "root";
+  for (int64_t u = 0; u < n_units; ++u) {
+    const int64_t b = u * blocks_per_unit, e = std::min(num_blocks(), b + blocks_per_unit);
+    units[u + 1].name = "blocks." + std::to_string(b) + (e - b > 1 ? "-" + std::to_string(e - 1) : "");
+  }
+  for (const auto& item : named_parameters(true)) {
+    const std::string& k = item.key();
+    size_t unit = 0;
+    if (k.rfind("blocks.", 0) == 0) unit = 1 + std::stoll(k.substr(7)) / blocks_per_unit;
+    units.at(unit).params.emplace_back(k, item.value());
+  }
+  return units;
+}
+
+void WanModel::set_sharding(dist::FullyShardedModel* sharded, int64_t blocks_per_unit) {
+  VQAD_CHECK(blocks_per_unit >= 1, "Wan model: blocks per sharding unit must be >= 1, found ", blocks_per_unit);
+  VQAD_CHECK(!sharded || sharded->num_units() == static_cast<size_t>(1 + (num_blocks() + blocks_per_unit - 1) /
+                                                                          blocks_per_unit),
+             "Wan model: the sharding has ", sharded ? sharded->num_units() : 0, " units, this model needs 1 + ",
+             (num_blocks() + blocks_per_unit - 1) / blocks_per_unit);
+  sharded_ = sharded;
+  blocks_per_unit_ = blocks_per_unit;
+}
+
 torch::Tensor WanModel::head(const torch::Tensor& hidden, const WanConditioning& cond) {
+  if (sharded_) sharded_->gather(0);
   auto mod = (scale_shift_table.to(torch::kFloat32) + cond.temb.to(torch::kFloat32).unsqueeze(1))
                  .chunk(2, 1);
   const auto &shift = mod[0], &scale = mod[1];

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "vqad/dist/fully_sharded.h"
 #include "vqad/model/wan/config.h"
 #include "vqad/model/wan/modules.h"
 
@@ -64,6 +65,15 @@ class WanModel : public torch::nn::Module {
   int64_t num_blocks() const { return static_cast<int64_t>(block_list_.size()); }
   WanBlock& block(int64_t i);
 
+  // Sharded data parallelism (dist/fully_sharded.h). The units: "root" (everything outside
+  // the blocks: embeddings, proj_out, scale_shift_table), then the blocks, `blocks_per_unit`
+  // to a unit (training.distributed.fsdp_modules_per_group).
+  std::vector<dist::ShardUnitSpec> shard_units(int64_t blocks_per_unit);
+  // From now on embed / forward_blocks / head gather and release through `sharded` (built
+  // from shard_units(blocks_per_unit)); nullptr: the parameters are whole again (the caller
+  // gathered them).
+  void set_sharding(dist::FullyShardedModel* sharded, int64_t blocks_per_unit);
+
   std::shared_ptr<PatchEmbedding> patch_embedding;
   std::shared_ptr<ConditionEmbedder> condition_embedder;
   torch::nn::ModuleList blocks;
@@ -75,6 +85,8 @@ class WanModel : public torch::nn::Module {
   WanModelOptions options_;
   ops::AttentionSpec spec_;
   std::vector<std::shared_ptr<WanBlock>> block_list_;
+  dist::FullyShardedModel* sharded_ = nullptr;
+  int64_t blocks_per_unit_ = 1;
 };
 
 bool is_vsa_backend(AttentionBackend b);

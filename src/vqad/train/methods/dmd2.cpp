@@ -296,7 +296,7 @@ MethodRegistration dmd2_registration() {
   MethodRegistration r;
   r.name = method_name(MethodKind::kDmd2);
   r.records_distillation = true;
-  r.sequence_parallel = true;
+  r.whole_model_forwards = true;
   // The critic's own AdamW: the method's fake_score_* learning rate, betas and schedule
   // (weight decay and eps of training.optimizer).
   r.optimizers = [](const RunConfig& run) {

@@ -91,9 +91,10 @@ struct MethodRegistration {
   // training_contract.distillation (with the roles) instead of training_contract.supervision.
   bool records_distillation = false;
   // The method reaches its models through whole-model forwards only (WanModel::forward), so
-  // training.distributed.sp_size > 1 splits their sequences (Ulysses). Methods that run
-  // block ranges or taps (the reconstructions) leave it false and refuse sp_size > 1.
-  bool sequence_parallel = false;
+  // training.distributed.sp_size > 1 splits their sequences (Ulysses) and hsdp_shard_dim > 1
+  // shards their parameters. Methods that run block ranges or taps (the reconstructions)
+  // leave it false and refuse both.
+  bool whole_model_forwards = false;
 };
 
 // nullptr when `name` has no implementation in this build.

@@ -111,7 +111,7 @@ MethodRegistration sft_registration() {
     return s;
   };
   r.mfu_is_student_forward_backward = true;
-  r.sequence_parallel = true;
+  r.whole_model_forwards = true;
   return r;
 }
 

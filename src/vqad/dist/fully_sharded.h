@@ -1,0 +1,122 @@
+// Sharded data parallelism (mesh hsdp_replicate_dim x hsdp_shard_dim, FSDP/ZeRO-3 semantics)
+// for one model: its parameters, gradients and AdamW state are split over the shard group;
+// a unit's parameters exist in full only while the unit computes.
+//
+// Layout. The model's parameters are grouped into units (WanModel::shard_units: one root unit
+// with everything outside the blocks, then the blocks, fsdp_modules_per_group to a unit).
+// Every parameter p (fp32, n elements) is flattened and padded to a multiple of the shard
+// group size S; rank r owns elements [r n', (r + 1) n') with n' = ceil(n / S) as its own fp32
+// tensor (the "shard", what the optimizer updates: one AdamW state per parameter shard, so a
+// parameter that got no gradient is skipped exactly as in an unsharded run). Between uses the
+// module parameter keeps its shape but holds no memory (its storage is released; reading it
+// then is an error, not stale data).
+//
+// Use. The model calls gather(root) before its embedding and head, and enter_block /
+// leave_block around each block:
+//  - enter: all-gather the unit (fp32: the forward is the same arithmetic as unsharded) and
+//    mark the block input so that, when its gradient is complete, the unit's backward is
+//    done (post-backward);
+//  - leave: release the unit (reshard_after_forward) and mark the block output so that its
+//    backward first gathers the unit again (pre-backward); with activation checkpointing
+//    the recomputation runs after that gather;
+//  - post-backward: reduce-scatter (SUM) the unit's full gradients into the parameter
+//    shards' gradients (accumulating: a unit used by several forwards reduces the sum), free
+//    the full gradients and release the unit once no pending backward needs it.
+// The trainer calls finish_backward() after each micro-step (reduces what no hook reduced,
+// e.g. the root unit, and releases everything), then finish_step() once per optimizer step:
+// one all-reduce SUM of the shard gradients over the replicate group and a division by the
+// data-parallel degree, so the result equals DataParallel::average_gradients on replicated
+// weights. Gradient accumulation reduce-scatters once per micro-step over the shard group and
+// all-reduces over the replicate group once per step.
+//
+// Every collective is on the shard (or replicate) group, issued in the same order on every
+// rank because every rank runs the same graph. Checkpoints and validation use gather_all()
+// (every unit in full, hooks idle) and full_adamw_state() (the AdamW moments in full).
+#pragma once
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vqad/dist/process_group.h"
+
+namespace vqad::dist {
+
+struct ShardUnitSpec {
+  std::string name;                                            // "root", "blocks.0-1", ...
+  std::vector<std::pair<std::string, torch::Tensor>> params;  // module parameters (fp32)
+};
+
+struct ShardingOptions {
+  ProcessGroup* shard = nullptr;      // the ranks that split the state (size S >= 1)
+  ProcessGroup* replicate = nullptr;  // the ranks holding the same shard (nullptr: none)
+  int64_t dp_size = 1;                // the divisor of the summed gradients
+  bool reshard_after_forward = true;  // false: a unit stays gathered until its backward
+};
+
+class FullyShardedModel {
+ public:
+  // Takes this rank's shards from the (identical on every rank) full parameters and releases
+  // them. `what` names the model in errors and collectives ("student").
+  FullyShardedModel(std::string what, std::vector<ShardUnitSpec> units, ShardingOptions options);
+  ~FullyShardedModel();
+  FullyShardedModel(const FullyShardedModel&) = delete;
+  FullyShardedModel& operator=(const FullyShardedModel&) = delete;
+
+  size_t num_units() const;
+  const std::string& what() const { return what_; }
+
+  // --- the model's forward ---
+  void gather(size_t unit);
+  // `first`: the block opens its unit (the input marks the unit's post-backward); `last`:
+  // the block closes it (released after forward, the output marks the pre-backward gather).
+  torch::Tensor enter_block(size_t unit, bool first, torch::Tensor hidden);
+  torch::Tensor leave_block(size_t unit, bool last, torch::Tensor out);
+
+  // --- the trainer ---
+  void finish_backward();
+  void finish_step();
+  // The trainable parameters' shards (requires_grad), in parameter order: the optimizer's
+  // parameter list. `names` receives the full parameters' names.
+  std::vector<torch::Tensor> trainable_shards(std::vector<std::string>* names = nullptr) const;
+  // sqrt(sum of squares) of the whole gradient (every rank gets the same value).
+  double grad_norm();
+  // torch's clip_grad_norm_ semantics on the whole gradient; returns the norm before clipping.
+  double clip_grad_norm(double max_norm);
+  // Names of the parameters whose gradients (or weights) hold NaN/Inf anywhere on any rank
+  // (collective; the same list on every rank).
+  std::vector<std::string> nonfinite_parameters(bool gradients);
+
+  // Every unit in full (collective), with the hooks idle until release_all(): checkpoints,
+  // validation, export.
+  void gather_all();
+  void release_all();
+  bool all_gathered() const;
+  // The full AdamW moments of `shard_state` (an optimizer over trainable_shards()) as state of
+  // `full` (an optimizer over the module parameters): collective.
+  void full_adamw_state(const torch::optim::AdamW& shard_state, torch::optim::AdamW& full);
+  // The inverse: `shards` gets this rank's slices of `full`'s state (resume).
+  void shard_adamw_state(const torch::optim::AdamW& full, torch::optim::AdamW& shards) const;
+  // Every trainable parameter's gradient in full, from the shard gradients (zeros where a
+  // shard has none): collective; for checks.
+  std::vector<std::pair<std::string, torch::Tensor>> gather_gradients();
+
+  // Called by the autograd hooks.
+  void pre_backward(size_t unit);
+  void post_backward(size_t unit);
+
+  struct Unit;
+
+ private:
+  void gather_unit(Unit& u);
+  void release_unit(Unit& u);
+  void reduce_unit_grads(Unit& u);
+
+  std::string what_;
+  ShardingOptions options_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  bool hooks_idle_ = false;
+};
+
+}  // namespace vqad::dist
