@@ -143,25 +143,58 @@ FullyShardedModel::~FullyShardedModel() {
 
 size_t FullyShardedModel::num_units() const { return units_.size(); }
 
-void FullyShardedModel::gather_unit(Unit& u) {
-  if (u.gathered) return;
-  torch::NoGradGuard ng;
-  if (!u.entries.empty()) {
-    std::vector<torch::Tensor> parts;
-    parts.reserve(u.entries.size());
-    for (const auto& e : u.entries) parts.push_back(e.shard.detach());
-    const int64_t S = group_size(options_);
-    auto all = options_.shard->all_gather(torch::cat(parts), "gather " + what_ + " " + u.name).view({S, u.row});
-    for (auto& e : u.entries) {
-      allocate_storage(e.param, e.name);
-      // Written through an alias of the storage with its own version counter: the
-      // parameter's version stays what autograd saved in forward (a gather for the backward
-      // restores the same values).
-      auto dst = torch::from_blob(e.param.storage().mutable_data(), {e.numel}, e.param.options().requires_grad(false));
-      dst.copy_(all.narrow(1, e.offset, e.chunk).reshape({-1}).narrow(0, 0, e.numel));
-    }
+namespace {
+torch::Tensor unit_send_buffer(const FullyShardedModel::Unit& u) {
+  std::vector<torch::Tensor> parts;
+  parts.reserve(u.entries.size());
+  for (const auto& e : u.entries) parts.push_back(e.shard.detach());
+  return torch::cat(parts);
+}
+}  // namespace
+
+void FullyShardedModel::fill_unit(Unit& u, const torch::Tensor& gathered) {
+  auto all = gathered.view({group_size(options_), u.row});
+  for (auto& e : u.entries) {
+    allocate_storage(e.param, e.name);
+    // Written through an alias of the storage with its own version counter: the parameter's
+    // version stays what autograd saved in forward (a gather for the backward restores the
+    // same values).
+    auto dst = torch::from_blob(e.param.storage().mutable_data(), {e.numel}, e.param.options().requires_grad(false));
+    dst.copy_(all.narrow(1, e.offset, e.chunk).reshape({-1}).narrow(0, 0, e.numel));
   }
   u.gathered = true;
+}
+
+void FullyShardedModel::gather_unit(Unit& u) {
+  if (u.gathered) return;
+  if (prefetch_.active()) {
+    const bool mine = units_[prefetch_unit_].get() == &u;
+    complete_prefetch();
+    if (mine) return;
+  }
+  torch::NoGradGuard ng;
+  if (u.entries.empty()) {
+    u.gathered = true;
+    return;
+  }
+  fill_unit(u, options_.shard->all_gather(unit_send_buffer(u), "gather " + what_ + " " + u.name));
+}
+
+void FullyShardedModel::prefetch(size_t unit) {
+  if (unit >= units_.size() || prefetch_.active()) return;
+  Unit& u = *units_[unit];
+  if (u.gathered || u.entries.empty()) return;
+  torch::NoGradGuard ng;
+  prefetch_ = options_.shard->all_gather_async(unit_send_buffer(u), "prefetch " + what_ + " " + u.name);
+  prefetch_unit_ = unit;
+}
+
+void FullyShardedModel::complete_prefetch() {
+  if (!prefetch_.active()) return;
+  torch::NoGradGuard ng;
+  auto gathered = prefetch_.wait();
+  Unit& u = *units_[prefetch_unit_];
+  if (!u.gathered) fill_unit(u, gathered);
 }
 
 void FullyShardedModel::release_unit(Unit& u) {
@@ -204,6 +237,7 @@ torch::Tensor FullyShardedModel::enter_block(size_t unit, bool first, torch::Ten
   if (hooks_idle_) return hidden;
   Unit& u = *units_[unit];
   gather_unit(u);
+  if (first) prefetch(unit + 1);  // the next unit's gather runs while this one computes
   if (first && torch::GradMode::is_enabled() && hidden.requires_grad())
     hidden = PostBackwardReduce::apply(u.ref, hidden);
   return hidden;
@@ -223,7 +257,9 @@ torch::Tensor FullyShardedModel::leave_block(size_t unit, bool last, torch::Tens
 }
 
 void FullyShardedModel::pre_backward(size_t unit) {
-  if (!hooks_idle_) gather_unit(*units_.at(unit));
+  if (hooks_idle_) return;
+  gather_unit(*units_.at(unit));
+  if (unit > 1) prefetch(unit - 1);  // the backward reaches the unit before this one next (not the root)
 }
 
 void FullyShardedModel::post_backward(size_t unit) {
@@ -237,6 +273,7 @@ void FullyShardedModel::post_backward(size_t unit) {
 
 void FullyShardedModel::finish_backward() {
   VQAD_CHECK(!hooks_idle_, "sharded data parallel (", what_, "): finish_backward inside gather_all");
+  complete_prefetch();
   for (auto& u : units_) {
     reduce_unit_grads(*u);
     release_unit(*u);
@@ -335,12 +372,14 @@ std::vector<std::string> FullyShardedModel::nonfinite_parameters(bool gradients)
 
 void FullyShardedModel::gather_all() {
   VQAD_CHECK(!hooks_idle_, "sharded data parallel (", what_, "): gather_all twice");
+  complete_prefetch();
   for (auto& u : units_) gather_unit(*u);
   hooks_idle_ = true;
 }
 
 void FullyShardedModel::release_all() {
   hooks_idle_ = false;
+  complete_prefetch();
   for (auto& u : units_) {
     release_unit(*u);
     u->pending = 0;

@@ -29,6 +29,10 @@
 // weights. Gradient accumulation reduce-scatters once per micro-step over the shard group and
 // all-reduces over the replicate group once per step.
 //
+// Overlap: when a unit is gathered for its forward, the next unit's all-gather is issued at
+// once and completed when that unit enters (prefetch); likewise in backward for the unit
+// before it. At most one prefetch is in flight, so at most two units are gathered.
+//
 // Every collective is on the shard (or replicate) group, issued in the same order on every
 // rank because every rank runs the same graph. Checkpoints and validation use gather_all()
 // (every unit in full, hooks idle) and full_adamw_state() (the AdamW moments in full).
@@ -110,6 +114,9 @@ class FullyShardedModel {
 
  private:
   void gather_unit(Unit& u);
+  void fill_unit(Unit& u, const torch::Tensor& gathered);
+  void prefetch(size_t unit);
+  void complete_prefetch();
   void release_unit(Unit& u);
   void reduce_unit_grads(Unit& u);
 
@@ -117,6 +124,8 @@ class FullyShardedModel {
   ShardingOptions options_;
   std::vector<std::unique_ptr<Unit>> units_;
   bool hooks_idle_ = false;
+  size_t prefetch_unit_ = 0;
+  PendingCollective prefetch_;
 };
 
 }  // namespace vqad::dist

@@ -47,7 +47,8 @@ MemoryEstimate estimate_memory(const std::vector<RoleFootprint>& roles, const Me
       const double block = static_cast<double>(wan_block_parameter_count(r.model));
       const double unit = block * static_cast<double>(std::min(m.blocks_per_unit, r.model.num_layers));
       const double root = n - block * static_cast<double>(r.model.num_layers);
-      const double params = m.reshard_after_forward ? root + unit : n;
+      // The unit computing and the next one being prefetched.
+      const double params = m.reshard_after_forward ? root + 2.0 * unit : n;
       gathered = std::max(gathered, 4.0 * params + (r.trainable ? 8.0 * unit : 0.0));
     }
     if (!r.trainable) continue;
@@ -63,7 +64,8 @@ MemoryEstimate estimate_memory(const std::vector<RoleFootprint>& roles, const Me
   e.text = "states (fp32 masters + grads + AdamW moments of trainable roles, fp32 weights of frozen ones, / shard " +
            std::to_string(m.shard) + "): " + gib(e.states_gib) + " (" + parts + ")\n" +
            "gathered buffers (fp32 params of the root and " +
-           (m.reshard_after_forward ? "one unit of " + std::to_string(m.blocks_per_unit) + " block(s)" : std::string("every block")) +
+           (m.reshard_after_forward ? "two units of " + std::to_string(m.blocks_per_unit) + " block(s)"
+                                    : std::string("every block")) +
            ", fp32 grads + reduce buffer of one unit): " + gib(e.gathered_gib) + "\n" +
            "activations (batch " + std::to_string(m.batch) + " x " + std::to_string(m.tokens_per_sample) +
            " tokens / sp " + std::to_string(m.sp) + ", checkpointing " +

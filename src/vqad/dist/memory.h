@@ -5,9 +5,9 @@
 //    moments (16 bytes per parameter), a frozen role its FP32 weights (4 bytes); both are
 //    divided by hsdp_shard_dim (per-block sharding shards every role's blocks);
 //  - gathered buffers (shard > 1, dist/fully_sharded.h), for the largest role: the FP32
-//    parameters of the root unit (kept from embedding to head) and of one unit of
-//    blocks_per_unit blocks, that unit's full FP32 gradients and the reduce-scatter buffer of
-//    the same size; without reshard_after_forward every block's FP32 parameters stay
+//    parameters of the root unit (kept from embedding to head) and of two units of
+//    blocks_per_unit blocks (the one computing and the prefetched next one), one unit's full
+//    FP32 gradients and the reduce-scatter buffer of the same size; without reshard_after_forward every block's FP32 parameters stay
 //    gathered from forward to backward;
 //  - activations of the trainable roles: with per-block activation checkpointing, the FP32
 //    input of every block plus the working set of one block's recompute and backward; without

@@ -363,6 +363,57 @@ torch::Tensor ProcessGroup::all_gather(const torch::Tensor& local, const std::st
   return out;
 }
 
+PendingCollective ProcessGroup::all_gather_async(const torch::Tensor& local, const std::string& what) {
+  impl_->check_tensor(local, what);
+  PendingCollective p;
+  p.group_ = this;
+  p.input_ = local.contiguous();
+  if (size() == 1) {
+    p.output_ = p.input_.clone();
+    return p;
+  }
+  auto sizes = p.input_.sizes().vec();
+  VQAD_CHECK(!sizes.empty(), "distributed: ", what, ": all_gather needs a tensor with a leading dimension");
+  sizes[0] *= size();
+  p.output_ = torch::empty(sizes, p.input_.options());
+  c10d::AllgatherOptions o;
+  o.timeout = timeout();
+  p.seq_ = ++impl_->seq;
+  p.label_ = detail::concat("all_gather(", what, ")");
+  impl_->shared->set_beat(impl_->name, p.seq_, "in", p.label_);
+  try {
+    auto work = impl_->backend->_allgather_base(p.output_, p.input_, o);
+    p.work_ = std::make_shared<c10::intrusive_ptr<c10d::Work>>(std::move(work));
+  } catch (const vqad::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    impl_->diagnose_and_fail(p.label_, p.seq_, e.what());
+  }
+  return p;
+}
+
+torch::Tensor ProcessGroup::complete(PendingCollective& p) {
+  if (p.work_) {
+    try {
+      (*static_cast<c10::intrusive_ptr<c10d::Work>*>(p.work_.get()))->wait(impl_->shared->options.timeout);
+    } catch (const vqad::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      impl_->diagnose_and_fail(p.label_, p.seq_, e.what());
+    }
+    impl_->shared->set_beat(impl_->name, p.seq_, "done", p.label_);
+    p.work_.reset();
+  }
+  auto out = p.output_;
+  p = PendingCollective();
+  return out;
+}
+
+torch::Tensor PendingCollective::wait() {
+  VQAD_CHECK(group_ != nullptr, "distributed: waiting for a collective that was not issued (or already waited for)");
+  return group_->complete(*this);
+}
+
 torch::Tensor ProcessGroup::reduce_scatter(const torch::Tensor& full, ReduceOp op, const std::string& what) {
   impl_->check_tensor(full, what);
   VQAD_CHECK(full.dim() >= 1 && full.size(0) % size() == 0, "distributed: ", what, ": reduce_scatter needs dim 0 (",

@@ -35,6 +35,27 @@ struct GroupOptions {
   torch::Device device = torch::kCPU;          // CPU -> Gloo, CUDA -> NCCL
 };
 
+// A collective issued and not yet waited for (ProcessGroup::all_gather_async). The backend
+// runs it in the background (NCCL on its own stream, so device work issued after it overlaps
+// it; Gloo on its worker threads); wait() completes it within the group's timeout (errors as
+// for any collective) and returns the output. Every rank must wait for it, in the same
+// order relative to its other collectives of the group.
+class ProcessGroup;
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  bool active() const { return group_ != nullptr; }
+  torch::Tensor wait();
+
+ private:
+  friend class ProcessGroup;
+  ProcessGroup* group_ = nullptr;  // the group outlives its pending collectives
+  std::shared_ptr<void> work_;     // the backend's c10d::Work (null: already complete)
+  torch::Tensor input_, output_;
+  std::string label_;
+  uint64_t seq_ = 0;
+};
+
 class ProcessGroup {
  public:
   // The world group of this process (blocks until every rank has joined, or the timeout).
@@ -60,6 +81,8 @@ class ProcessGroup {
   void broadcast(torch::Tensor& t, int root, const std::string& what);
   // Concatenation of every rank's `local` along dim 0 (rank order).
   torch::Tensor all_gather(const torch::Tensor& local, const std::string& what);
+  // The same, issued now and completed by the returned handle's wait().
+  PendingCollective all_gather_async(const torch::Tensor& local, const std::string& what);
   // `full` split into size() equal chunks along dim 0; rank r receives the reduction of chunk r.
   torch::Tensor reduce_scatter(const torch::Tensor& full, ReduceOp op, const std::string& what);
   // `in` split into size() equal chunks along dim 0; chunk j goes to rank j, the output holds
@@ -75,6 +98,8 @@ class ProcessGroup {
   struct Impl;
 
  private:
+  friend class PendingCollective;
+  torch::Tensor complete(PendingCollective& pending);
   explicit ProcessGroup(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
