@@ -6,9 +6,8 @@
 //     src/vqad/kernels/attention/sm90/attn_qat_bwd_wgmma.cu \
 //     src/vqad/kernels/common/device.cu src/vqad/numerics/attention_qat_ref.cpp \
 //     src/vqad/numerics/nvfp4.cpp -o /tmp/attn_bwd_pg
-//   /tmp/attn_bwd_pg [check] [time] [quick] [impl=mma|wgmma] [dqtile=64|128]
-//                    [launch=single|split] [json=<path>]
-// bench/playground/attn_pg_run.sh builds and compares several kernel variants at once.
+//   /tmp/attn_bwd_pg [check] [time] [quick] [impl=mma|wgmma] [json=<path>]
+// impl= runs one of the two implementations of launch_attn_qat_bwd (default: both).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -23,7 +22,6 @@
 #include <vector>
 
 #include "vqad/kernels/attention/attention_qat_bwd.h"
-#include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/numerics/attention_qat_ref.h"
 #include "vqad/numerics/nvfp4.h"
@@ -337,10 +335,6 @@ int main(int argc, char** argv) {
     else if (a == "time") do_time = true;
     else if (a.rfind("json=", 0) == 0) json_path = a.substr(5);
     else if (a == "quick") quick = true;
-    else if (a == "dqtile=64") vqad::kernels::attn_bwd::set_dq_key_tile_for_tuning(64);
-    else if (a == "dqtile=128") vqad::kernels::attn_bwd::set_dq_key_tile_for_tuning(128);
-    else if (a == "launch=split") vqad::kernels::attn_bwd::set_wgmma_single_launch_for_tuning(false);
-    else if (a == "launch=single") vqad::kernels::attn_bwd::set_wgmma_single_launch_for_tuning(true);
     else if (a == "impl=mma") impls = {vqad::kernels::AttnQatBwdImpl::kMmaSync};
     else if (a == "impl=wgmma") impls = {vqad::kernels::AttnQatBwdImpl::kWgmma};
     else {

@@ -7,8 +7,6 @@
 //     src/vqad/kernels/attention/fake_quant_qkv.cu src/vqad/kernels/common/device.cu \
 //     src/vqad/numerics/attention_qat_ref.cpp src/vqad/numerics/nvfp4.cpp -o /tmp/attn_fwd_pg
 //   /tmp/attn_fwd_pg [check] [time]
-// bench/playground/attn_pg_run.sh builds and compares several kernel variants at once
-// (the schedule knobs VQAD_ATTN_FWD_* of attn_qat_fwd_sm90.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>

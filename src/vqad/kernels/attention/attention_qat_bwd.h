@@ -14,8 +14,9 @@
 //      counter per query block), and a last pass adds the partial sums in order
 //      and writes dQ (5 GEMMs); the CTAs of a last partial wave are split over
 //      query ranges (fp32 partial dK / dV added in order by a combine pass);
-//   3. other archs (mma.sync), or the recompute variant of the wgmma kernels: a
-//      separate dQ pass per block of 128 queries recomputes S and dP (7 GEMMs).
+//   3. other archs, or impl = kMmaSync (mma.sync): a separate dQ pass per block of
+//      128 queries recomputes S and dP (7 GEMMs); the visit-list form of the wgmma
+//      kernels (the VSA fine stage) has the same recompute structure.
 // The P groups of the dV path are the 16-key groups of each query row starting
 // at key 0 (a tail group uses only its valid keys), independent of any BLOCK_N.
 //
