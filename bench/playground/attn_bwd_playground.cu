@@ -93,8 +93,8 @@ struct DevTensor {
           if (h[b * sb() + l * sl() + e] != 0xFFFF) return false;
     return true;
   }
-  vqad::kernels::AttnQatBwdTensor in() const { return {ptr, sb(), sl(), kD}; }
-  vqad::kernels::AttnQatBwdOutTensor out() const { return {ptr, sb(), sl(), kD}; }
+  vqad::kernels::BlhdIn in() const { return {ptr, {sb(), sl(), kD, 1}}; }
+  vqad::kernels::BlhdOut out() const { return {ptr, {sb(), sl(), kD, 1}}; }
   void free() { cudaFree(ptr); ptr = nullptr; }
 };
 
@@ -278,15 +278,16 @@ TimeResult time_shape(int B, int H, int L, AttnQatBwdPMode mode,
   AttnQatBwdParams p;
   p.batch = B, p.heads = H, p.len_q = L, p.len_kv = L, p.head_dim = kD, p.p_mode = mode;
   p.impl = impl;
-  p.q_hat = {buf[0], sb, sl, kD};
-  p.k_hat = {buf[1], sb, sl, kD};
-  p.v_hat = {buf[2], sb, sl, kD};
-  p.d_out = {buf[3], sb, sl, kD};
-  p.o_hp = {buf[4], sb, sl, kD};
+  const vqad::kernels::BlhdStrides st{sb, sl, kD, 1};
+  p.q_hat = {buf[0], st};
+  p.k_hat = {buf[1], st};
+  p.v_hat = {buf[2], st};
+  p.d_out = {buf[3], st};
+  p.o_hp = {buf[4], st};
   p.m = dm, p.l = dl;
-  p.d_q = {buf[5], sb, sl, kD};
-  p.d_k = {buf[6], sb, sl, kD};
-  p.d_v = {buf[7], sb, sl, kD};
+  p.d_q = {buf[5], st};
+  p.d_k = {buf[6], st};
+  p.d_v = {buf[7], st};
   void* ws;
   VQAD_CUDA_CHECK(cudaMalloc(&ws, vqad::kernels::attn_qat_bwd_workspace_bytes(p)));
   p.workspace = ws;

@@ -24,6 +24,7 @@
 #include "vqad/numerics/nvfp4.h"
 
 namespace ref = vqad::attn_qat_ref;
+namespace kk = vqad::kernels;
 namespace ka = vqad::kernels::attention;
 
 namespace {
@@ -98,22 +99,19 @@ CaseResult run_case(int B, int H, int Lq, int Lkv, bool quant_p, bool quant_qkv,
     uint16_t* d = dev_alloc<uint16_t>(h.size(), 0);
     VQAD_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
     to_free.push_back(d);
-    const ka::BlhdStrides s{static_cast<int64_t>(Lq) * 3 * row, 3 * row, kD, 1};
-    fq.q = d, fq.k = d + row, fq.v = d + 2 * row;
-    fq.q_stride = fq.k_stride = fq.v_stride = s;
+    const kk::BlhdStrides s{static_cast<int64_t>(Lq) * 3 * row, 3 * row, kD, 1};
+    fq.q = {d, s}, fq.k = {d + row, s}, fq.v = {d + 2 * row, s};
   } else {
     const std::vector<float>* srcs[3] = {&q, &k, &v};
-    const void** dsts[3] = {&fq.q, &fq.k, &fq.v};
+    kk::BlhdIn* dsts[3] = {&fq.q, &fq.k, &fq.v};
     for (int w = 0; w < 3; ++w) {
       std::vector<uint16_t> h(srcs[w]->size());
       for (size_t i = 0; i < h.size(); ++i) h[i] = to_bf16_bits((*srcs[w])[i]);
       uint16_t* d = dev_alloc<uint16_t>(h.size(), 0);
       VQAD_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
       to_free.push_back(d);
-      *dsts[w] = d;
+      *dsts[w] = {d, kk::contiguous_blhd(w == 0 ? Lq : Lkv, H, kD)};
     }
-    fq.q_stride = ka::contiguous_blhd(Lq, H, kD);
-    fq.k_stride = fq.v_stride = ka::contiguous_blhd(Lkv, H, kD);
   }
   uint16_t* qh = dev_alloc<uint16_t>(q.size(), 0xFF);  // NaN-poisoned
   uint16_t* kh = dev_alloc<uint16_t>(k.size(), 0xFF);
@@ -147,10 +145,9 @@ CaseResult run_case(int B, int H, int Lq, int Lkv, bool quant_p, bool quant_qkv,
   float* m = dev_alloc<float>(nstat, 0xFF);
   float* l = dev_alloc<float>(nstat, 0xFF);
   ka::AttnQatFwdParams fp;
-  fp.q = qh, fp.k = kh, fp.v = vh;
-  fp.q_stride = ka::contiguous_blhd(Lq, H, kD);
-  fp.k_stride = fp.v_stride = ka::contiguous_blhd(Lkv, H, kD);
-  fp.o = o, fp.o_hp = ohp, fp.o_stride = fp.o_hp_stride = ka::contiguous_blhd(Lq, H, kD);
+  const kk::BlhdStrides sq = kk::contiguous_blhd(Lq, H, kD), skv = kk::contiguous_blhd(Lkv, H, kD);
+  fp.q = {qh, sq}, fp.k = {kh, skv}, fp.v = {vh, skv};
+  fp.o = {o, sq}, fp.o_hp = {ohp, sq};
   fp.m = m, fp.l = l;
   fp.batch = B, fp.heads = H, fp.len_q = Lq, fp.len_kv = Lkv, fp.head_dim = kD;
   fp.quant_p = quant_p;
@@ -251,16 +248,14 @@ void time_shapes() {
     uint16_t* ohp = dev_alloc<uint16_t>(n, 0);
     float* m = dev_alloc<float>(static_cast<size_t>(s.B) * s.H * s.L, 0);
     float* l = dev_alloc<float>(static_cast<size_t>(s.B) * s.H * s.L, 0);
-    const ka::BlhdStrides cs = ka::contiguous_blhd(s.L, s.H, kD);
+    const kk::BlhdStrides cs = kk::contiguous_blhd(s.L, s.H, kD);
     ka::FakeQuantQkvParams fq;
-    fq.q = in[0], fq.k = in[1], fq.v = in[2];
-    fq.q_stride = fq.k_stride = fq.v_stride = cs;
+    fq.q = {in[0], cs}, fq.k = {in[1], cs}, fq.v = {in[2], cs};
     fq.q_out = hat[0], fq.k_out = hat[1], fq.v_out = hat[2];
     fq.batch = s.B, fq.heads = s.H, fq.len_q = fq.len_kv = s.L, fq.head_dim = kD;
     ka::AttnQatFwdParams fp;
-    fp.q = hat[0], fp.k = hat[1], fp.v = hat[2];
-    fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = fp.o_hp_stride = cs;
-    fp.o = o, fp.o_hp = ohp, fp.m = m, fp.l = l;
+    fp.q = {hat[0], cs}, fp.k = {hat[1], cs}, fp.v = {hat[2], cs};
+    fp.o = {o, cs}, fp.o_hp = {ohp, cs}, fp.m = m, fp.l = l;
     fp.batch = s.B, fp.heads = s.H, fp.len_q = fp.len_kv = s.L, fp.head_dim = kD;
 
     cudaEvent_t e0, e1;

@@ -82,8 +82,9 @@ class DevTensor {
           if (raw[b * sb() + l * sl() + e] != 0xFFFF) return false;
     return true;
   }
-  vqad::kernels::AttnQatBwdTensor in() const { return {ptr_, sb(), sl(), kD}; }
-  vqad::kernels::AttnQatBwdOutTensor out() const { return {ptr_, sb(), sl(), kD}; }
+  vqad::kernels::BlhdStrides strides() const { return {sb(), sl(), kD, 1}; }
+  vqad::kernels::BlhdIn in() const { return {ptr_, strides()}; }
+  vqad::kernels::BlhdOut out() const { return {ptr_, strides()}; }
 
  private:
   template <typename F>
@@ -314,7 +315,7 @@ TEST_F(AttnQatBwdGpu, RejectsBadInput) {
   bad.head_dim = 64;
   EXPECT_THROW(vqad::kernels::launch_attn_qat_bwd(bad, nullptr), vqad::Error);
   bad = p;
-  bad.k_hat.stride_l = 132;  // rows no longer 16-byte aligned
+  bad.k_hat.stride.l = 132;  // rows no longer 16-byte aligned
   EXPECT_THROW(vqad::kernels::launch_attn_qat_bwd(bad, nullptr), vqad::Error);
   bad = p;
   bad.workspace = nullptr;

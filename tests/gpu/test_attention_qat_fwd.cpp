@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "vqad/core/error.h"
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
@@ -21,6 +22,7 @@
 
 namespace {
 
+namespace kk = vqad::kernels;
 namespace ka = vqad::kernels::attention;
 namespace ref = vqad::attn_qat_ref;
 constexpr int kD = ka::kAttnQatHeadDim;
@@ -122,17 +124,16 @@ FwdOut run_gpu(const Inputs& in, bool quant_qkv, bool quant_p, bool packed) {
       dv(packed ? 0 : in.v.size(), 0);
   if (packed) {
     dpacked.upload(hpacked);
-    const ka::BlhdStrides s{static_cast<int64_t>(in.Lq) * 3 * static_cast<int64_t>(row),
+    const kk::BlhdStrides s{static_cast<int64_t>(in.Lq) * 3 * static_cast<int64_t>(row),
                             3 * static_cast<int64_t>(row), kD, 1};
-    fq.q = dpacked.ptr, fq.k = dpacked.ptr + row, fq.v = dpacked.ptr + 2 * row;
-    fq.q_stride = fq.k_stride = fq.v_stride = s;
+    fq.q = {dpacked.ptr, s}, fq.k = {dpacked.ptr + row, s}, fq.v = {dpacked.ptr + 2 * row, s};
   } else {
     dq.upload(to_bits(in.q));
     dk.upload(to_bits(in.k));
     dv.upload(to_bits(in.v));
-    fq.q = dq.ptr, fq.k = dk.ptr, fq.v = dv.ptr;
-    fq.q_stride = ka::contiguous_blhd(in.Lq, in.H, kD);
-    fq.k_stride = fq.v_stride = ka::contiguous_blhd(in.Lkv, in.H, kD);
+    fq.q = {dq.ptr, kk::contiguous_blhd(in.Lq, in.H, kD)};
+    fq.k = {dk.ptr, kk::contiguous_blhd(in.Lkv, in.H, kD)};
+    fq.v = {dv.ptr, kk::contiguous_blhd(in.Lkv, in.H, kD)};
   }
   DevBuf<uint16_t> qh(in.q.size(), 0xFF), kh(in.k.size(), 0xFF), vh(in.v.size(), 0xFF);
   fq.q_out = qh.ptr, fq.k_out = kh.ptr, fq.v_out = vh.ptr;
@@ -142,10 +143,9 @@ FwdOut run_gpu(const Inputs& in, bool quant_qkv, bool quant_p, bool packed) {
   DevBuf<uint16_t> o(in.q.size(), 0xFF), ohp(in.q.size(), 0xFF);
   DevBuf<float> m(nstat, 0xFF), l(nstat, 0xFF);
   ka::AttnQatFwdParams fp;
-  fp.q = qh.ptr, fp.k = kh.ptr, fp.v = vh.ptr;
-  fp.q_stride = fp.o_stride = fp.o_hp_stride = ka::contiguous_blhd(in.Lq, in.H, kD);
-  fp.k_stride = fp.v_stride = ka::contiguous_blhd(in.Lkv, in.H, kD);
-  fp.o = o.ptr, fp.o_hp = ohp.ptr, fp.m = m.ptr, fp.l = l.ptr;
+  const kk::BlhdStrides sq = kk::contiguous_blhd(in.Lq, in.H, kD), skv = kk::contiguous_blhd(in.Lkv, in.H, kD);
+  fp.q = {qh.ptr, sq}, fp.k = {kh.ptr, skv}, fp.v = {vh.ptr, skv};
+  fp.o = {o.ptr, sq}, fp.o_hp = {ohp.ptr, sq}, fp.m = m.ptr, fp.l = l.ptr;
   fp.batch = in.B, fp.heads = in.H, fp.len_q = in.Lq, fp.len_kv = in.Lkv, fp.head_dim = kD;
   fp.quant_p = quant_p;
   ka::launch_attn_qat_fwd(fp, nullptr);
@@ -232,16 +232,15 @@ TEST(AttnQatFwdGpu, PrepassIsBitExactWithScalarReference) {
     DevBuf<uint16_t> dp(hp.size(), 0), dq(in.q.size(), 0), dk(in.k.size(), 0), dv(in.v.size(), 0);
     if (packed) {
       dp.upload(hp);
-      const ka::BlhdStrides s{static_cast<int64_t>(L) * 3 * static_cast<int64_t>(row), 3 * static_cast<int64_t>(row),
+      const kk::BlhdStrides s{static_cast<int64_t>(L) * 3 * static_cast<int64_t>(row), 3 * static_cast<int64_t>(row),
                               kD, 1};
-      fq.q = dp.ptr, fq.k = dp.ptr + row, fq.v = dp.ptr + 2 * row;
-      fq.q_stride = fq.k_stride = fq.v_stride = s;
+      fq.q = {dp.ptr, s}, fq.k = {dp.ptr + row, s}, fq.v = {dp.ptr + 2 * row, s};
     } else {
       dq.upload(to_bits(in.q));
       dk.upload(to_bits(in.k));
       dv.upload(to_bits(in.v));
-      fq.q = dq.ptr, fq.k = dk.ptr, fq.v = dv.ptr;
-      fq.q_stride = fq.k_stride = fq.v_stride = ka::contiguous_blhd(L, H, kD);
+      const kk::BlhdStrides s = kk::contiguous_blhd(L, H, kD);
+      fq.q = {dq.ptr, s}, fq.k = {dk.ptr, s}, fq.v = {dv.ptr, s};
     }
     for (bool quant : {true, false}) {
       fq.quant_qk = fq.quant_v = quant;
@@ -314,29 +313,28 @@ TEST(AttnQatFwdGpu, UnsupportedShapesAndLayoutsThrow) {
   DevBuf<uint16_t> buf(4 * 64 * 128, 0);
   DevBuf<float> stat(64, 0);
   ka::AttnQatFwdParams fp;
-  fp.q = fp.k = fp.v = buf.ptr;
-  fp.o = fp.o_hp = buf.ptr;
+  fp.q = fp.k = fp.v = {buf.ptr, kk::contiguous_blhd(8, 1, 64)};
+  fp.o = fp.o_hp = {buf.ptr, kk::contiguous_blhd(8, 1, 64)};
   fp.m = fp.l = stat.ptr;
   fp.batch = 1, fp.heads = 1, fp.len_q = 8, fp.len_kv = 8, fp.head_dim = 64;
-  fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = fp.o_hp_stride = ka::contiguous_blhd(8, 1, 64);
   try {
     ka::launch_attn_qat_fwd(fp, nullptr);
     FAIL() << "head dim 64 accepted";
-  } catch (const std::runtime_error& e) {
+  } catch (const vqad::Error& e) {
     EXPECT_NE(std::string(e.what()).find("D=64"), std::string::npos) << e.what();
   }
   fp.head_dim = 128;
-  fp.q_stride = fp.k_stride = fp.v_stride = fp.o_stride = fp.o_hp_stride = ka::contiguous_blhd(8, 1, 128);
-  fp.k_stride.d = 2;
-  EXPECT_THROW(ka::launch_attn_qat_fwd(fp, nullptr), std::runtime_error);
-  fp.k_stride.d = 1;
-  fp.o_hp = nullptr;  // quant_p needs O_hp for the backward
-  EXPECT_THROW(ka::launch_attn_qat_fwd(fp, nullptr), std::runtime_error);
+  fp.q.stride = fp.k.stride = fp.v.stride = fp.o.stride = fp.o_hp.stride = kk::contiguous_blhd(8, 1, 128);
+  fp.k.stride.d = 2;
+  EXPECT_THROW(ka::launch_attn_qat_fwd(fp, nullptr), vqad::Error);
+  fp.k.stride.d = 1;
+  fp.o_hp.data = nullptr;  // quant_p needs O_hp for the backward
+  EXPECT_THROW(ka::launch_attn_qat_fwd(fp, nullptr), vqad::Error);
   ka::FakeQuantQkvParams fq;
-  fq.q = fq.k = fq.v = buf.ptr;
+  fq.q = fq.k = fq.v = {buf.ptr, kk::contiguous_blhd(8, 1, 120)};
   fq.q_out = fq.k_out = fq.v_out = buf.ptr;
   fq.batch = 1, fq.heads = 1, fq.len_q = fq.len_kv = 8, fq.head_dim = 120;
-  EXPECT_THROW(ka::launch_fake_quant_qkv(fq, nullptr), std::runtime_error);
+  EXPECT_THROW(ka::launch_fake_quant_qkv(fq, nullptr), vqad::Error);
 }
 
 }  // namespace

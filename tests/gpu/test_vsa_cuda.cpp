@@ -103,7 +103,7 @@ struct RasterBuf {
   RasterBuf(int64_t b, int64_t l, int64_t h)
       : B(b), L(l), H(h), sh(kD + kGap), sl(h * (kD + kGap)), sb(l * h * (kD + kGap)),
         buf(static_cast<size_t>(b * l * h * (kD + kGap) + kTail), 0xFF) {}
-  kv::RasterOut out() { return kv::RasterOut{buf.ptr, sb, sl, sh}; }
+  vqad::kernels::BlhdOut out() { return vqad::kernels::BlhdOut{buf.ptr, {sb, sl, sh, 1}}; }
   // Values [B, L, H, D] and whether every gap / tail element still holds the poison.
   std::vector<float> values(bool* sentinels_ok) const {
     const std::vector<uint16_t> h = buf.download();
@@ -233,7 +233,7 @@ GpuResult run_gpu(const Case& cs, const vr::Tiling& t, const std::vector<float>&
   if (cs.gate) dgate_in.upload(upload_bits(gate));
   ddo.upload(upload_bits(d_o));
   const int64_t sh = kD, sl = H * kD, sb = L * H * kD;
-  auto in = [&](const DevBuf<uint16_t>& d) { return kv::RasterIn{d.ptr, sb, sl, sh}; };
+  auto in = [&](const DevBuf<uint16_t>& d) { return vqad::kernels::BlhdIn{d.ptr, {sb, sl, sh, 1}}; };
 
   const size_t tiled = static_cast<size_t>(B * H * P * kD);
   DevBuf<uint16_t> tq(tiled, 0xFF), tk(tiled, 0xFF), tv(tiled, 0xFF), ohp(tiled, 0xFF);
@@ -622,9 +622,10 @@ void run_fine_lists(bool quant_p, uint32_t seed) {
   si.upload(sel.index);
   sc.upload(sel.count);
   DevBuf<uint8_t> scratch(std::max<size_t>(kv::fine_forward_scratch_bytes(c), 256), 0xFF);
-  kv::launch_tile(c, kv::RasterIn{rq.ptr, sb, sl, sh}, tq.ptr, true, nullptr);
-  kv::launch_tile(c, kv::RasterIn{rk.ptr, sb, sl, sh}, tk.ptr, true, nullptr);
-  kv::launch_tile(c, kv::RasterIn{rv.ptr, sb, sl, sh}, tv.ptr, true, nullptr);
+  const vqad::kernels::BlhdStrides rs{sb, sl, sh, 1};
+  kv::launch_tile(c, {rq.ptr, rs}, tq.ptr, true, nullptr);
+  kv::launch_tile(c, {rk.ptr, rs}, tk.ptr, true, nullptr);
+  kv::launch_tile(c, {rv.ptr, rs}, tv.ptr, true, nullptr);
   kv::launch_fine_forward(c, tq.ptr, tk.ptr, tv.ptr, si.ptr, sc.ptr, o.ptr, ohp.ptr, m.ptr, l.ptr, scratch.ptr,
                           nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());

@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "vqad/kernels/attention/attention_qat_bwd.h"
+#include "vqad/kernels/common/launch.h"
 #include "vqad/kernels/common/device.h"
 #include "vqad/kernels/common/nvfp4_device.cuh"
 #include "vqad/kernels/common/sm90_ptx.cuh"
@@ -48,6 +50,11 @@ struct KernelParams {
   int split_first, split_parts;
   float* dkv_part;
 };
+
+// The call's shape for launch errors (kernels/common/launch.h).
+inline std::string kernel_shape_str(const KernelParams& kp) {
+  return attention_shape_str(kp.B, kp.H, kp.Lq, kp.Lkv, kD);
+}
 
 // dQ accumulation of the sm_90 backward (spec: deterministic). The dK/dV CTA of
 // key block j also forms dQ_i += dS_ij K_j for every query block i and adds it,

@@ -38,6 +38,7 @@
 #include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
 #include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/launch.h"
 
 namespace vqad::kernels::attn_bwd {
 namespace {
@@ -697,11 +698,13 @@ __global__ void __launch_bounds__(256) dq_finalize_kernel(const KernelParams p, 
   }
 }
 
+constexpr const char* kOp = "attn_qat_bwd (wgmma)";
+constexpr const char* kVisitOp = "attn_qat_bwd (wgmma, visit lists)";
+
 template <typename Kernel>
-void set_smem(Kernel kernel, size_t bytes, const DeviceInfo& dev) {
-  VQAD_CHECK(bytes <= dev.smem_optin_bytes, "attn_qat_bwd (wgmma): needs ", bytes,
-             " bytes of shared memory per block, device ", dev.name, " (sm_", dev.arch(),
-             ") allows ", dev.smem_optin_bytes);
+void set_smem(const char* op, Kernel kernel, size_t bytes, const DeviceInfo& dev, const KernelParams& kp) {
+  VQAD_LAUNCH_CHECK(bytes <= dev.smem_optin_bytes, op, kernel_shape_str(kp), "expected ", bytes,
+                    " bytes of shared memory per block, found ", dev.smem_optin_bytes, " on the device");
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(bytes)));
 }
@@ -710,29 +713,29 @@ void set_smem(Kernel kernel, size_t bytes, const DeviceInfo& dev) {
 
 void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
                           cudaStream_t stream) {
-  VQAD_CHECK(dev.arch() == 90, "attn_qat_bwd: the wgmma kernels need sm_90 (built for sm_90a), "
-             "device ", dev.name, " is sm_", dev.arch());
+  const auto shape = [&] { return kernel_shape_str(kp); };
+  VQAD_LAUNCH_CHECK(dev.arch() == 90, kOp, shape(), "no kernel for this device: expected sm_90 (built for sm_90a), "
+                    "found sm_", dev.arch());
   const int kv_blocks = (kp.Lkv + kKeysPerCta - 1) / kKeysPerCta;
   const int nq = dq_query_blocks(kp.Lq);
   const int64_t bh = static_cast<int64_t>(kp.B) * kp.H;
-  VQAD_CHECK(kp.dq_acc != nullptr && kp.dq_sem != nullptr &&
-                 kp.dq_groups == dq_accum_groups(bh, kv_blocks),
-             "attn_qat_bwd (wgmma): dQ accumulation workspace not set up (groups ",
-             kp.dq_groups, ")");
+  VQAD_LAUNCH_CHECK(kp.dq_acc != nullptr && kp.dq_sem != nullptr && kp.dq_groups == dq_accum_groups(bh, kv_blocks),
+                    kOp, shape(), "expected the dQ accumulation workspace of ", dq_accum_groups(bh, kv_blocks),
+                    " groups, found ", kp.dq_groups, " groups at ", kp.dq_acc);
   const DkdvSplitPlan plan = dkdv_split_plan(bh, kv_blocks, kp.Lq);
-  VQAD_CHECK(plan.tail == 0 || kp.dkv_part != nullptr,
-             "attn_qat_bwd (wgmma): tail-split workspace not set up");
+  VQAD_LAUNCH_CHECK(plan.tail == 0 || kp.dkv_part != nullptr, kOp, shape(),
+                    "expected the tail-split workspace, found null");
   const int64_t ctas = bh * kv_blocks + static_cast<int64_t>(plan.tail) * (plan.parts - 1);
-  VQAD_CHECK(ctas <= 0x7fffffff && bh <= 65535,
-             "attn_qat_bwd: batch * heads must be <= 65535 and batch * heads * key blocks "
-             "<= 2^31 - 1 (grid limits), found ", bh, " and ", ctas);
+  VQAD_LAUNCH_CHECK(ctas <= 0x7fffffff && bh <= 65535, kOp, shape(),
+                    "expected batch * heads <= 65535 and batch * heads * key blocks <= 2^31 - 1 (grid limits), "
+                    "found ", bh, " and ", ctas);
   KernelParams kq = kp;
   kq.split_first = static_cast<int>(plan.first);
   kq.split_parts = plan.parts;
   VQAD_CUDA_CHECK(cudaMemsetAsync(kp.dq_sem, 0,
                                   static_cast<size_t>(kp.dq_groups) * bh * nq * sizeof(int), stream));
   auto launch = [&](auto kernel) {
-    set_smem(kernel, kDkdvqSmem, dev);
+    set_smem(kOp, kernel, kDkdvqSmem, dev, kp);
     kernel<<<static_cast<unsigned>(ctas), kThreads, kDkdvqSmem, stream>>>(kq);
   };
   switch (mode) {
@@ -751,19 +754,21 @@ void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const De
 
 void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, AttnQatBwdPMode mode,
                                 const DeviceInfo& dev, cudaStream_t stream) {
-  VQAD_CHECK(dev.arch() == 90, "attn_qat_bwd (visit lists): the wgmma kernels need sm_90 (built for sm_90a), "
-             "device ", dev.name, " is sm_", dev.arch());
+  const auto shape = [&] { return kernel_shape_str(kp); };
+  VQAD_LAUNCH_CHECK(dev.arch() == 90, kVisitOp, shape(),
+                    "no kernel for this device: expected sm_90 (built for sm_90a), found sm_", dev.arch());
   const int kv_tiles = (kp.Lkv + kKeysPerCta - 1) / kKeysPerCta;
   const int q_tiles = (kp.Lq + kQueriesPerCta - 1) / kQueriesPerCta;
-  VQAD_CHECK(vl.q_entries && vl.q_counts && vl.kv_entries && vl.kv_counts && vl.key_rows && vl.q_stride >= 1 &&
-                 vl.kv_stride >= 1 && vl.kv_tiles == kv_tiles && vl.q_tiles == q_tiles,
-             "attn_qat_bwd (visit lists): lists missing or not of the shape (key tiles ", vl.kv_tiles, " vs ",
-             kv_tiles, ", query tiles ", vl.q_tiles, " vs ", q_tiles, ")");
+  VQAD_LAUNCH_CHECK(vl.q_entries && vl.q_counts && vl.kv_entries && vl.kv_counts && vl.key_rows && vl.q_stride >= 1 &&
+                        vl.kv_stride >= 1 && vl.kv_tiles == kv_tiles && vl.q_tiles == q_tiles,
+                    kVisitOp, shape(), "expected all lists and ", kv_tiles, " key tiles, ", q_tiles,
+                    " query tiles, found ", vl.kv_tiles, " key tiles, ", vl.q_tiles,
+                    " query tiles (a null list or a stride < 1 is also refused)");
   const int64_t ctas = static_cast<int64_t>(kp.B) * kp.H * (kv_tiles + q_tiles);
-  VQAD_CHECK(ctas <= 0x7fffffff, "attn_qat_bwd (visit lists): too many CTAs (", ctas, ")");
+  VQAD_LAUNCH_CHECK(ctas <= 0x7fffffff, kVisitOp, shape(), "expected at most 2^31 - 1 CTAs, found ", ctas);
   const size_t smem = std::max(kDkdvSmem, kDqSmem);
   auto launch = [&](auto kernel) {
-    set_smem(kernel, smem, dev);
+    set_smem(kVisitOp, kernel, smem, dev, kp);
     kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(kp, vl);
   };
   switch (mode) {

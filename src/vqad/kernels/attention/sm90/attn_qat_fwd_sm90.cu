@@ -29,13 +29,11 @@
 #include <cuda_fp8.h>
 
 #include <cmath>
-#include <stdexcept>
 #include <string>
 
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
-#include "vqad/kernels/common/device.h"
 #include "vqad/kernels/common/nvfp4_device.cuh"
 #include "vqad/kernels/common/sm90_ptx.cuh"
 
@@ -52,6 +50,23 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kCtasPerSm = 128 / kBM;
 static_assert(kBM == 64 || kBM == 128, "BLOCK_M must be 64 or 128");
 constexpr int kChunksPerRow = kD * 2 / 16;  // 16-byte chunks of one 128-channel bf16 row
+
+// The kernel's parameters: AttnQatFwdParams with each view's pointer and strides apart,
+// filled by the launcher after its checks.
+struct FwdKernelParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  BlhdStrides q_stride, k_stride, v_stride;
+  void* o;
+  void* o_hp;  // may be null
+  BlhdStrides o_stride, o_hp_stride;
+  float* m;  // may be null
+  float* l;  // may be null
+  int batch, heads, len_q, len_kv, head_dim;
+  float softmax_scale;
+  bool quant_p;
+};
 
 // Schedule of the wgmma path (sm_90a), as named constants: the second warpgroup runs
 // half a KV tile behind the first: after each barrier it finishes the P.V products of
@@ -353,7 +368,7 @@ struct DenseKv {
   static constexpr bool kCanIdle = false;  // every warpgroup computes its rows
   Tile tk, tv;
   int len;
-  __device__ __forceinline__ static DenseKv make(const AttnQatFwdParams& p, const AttnQatFwdVisit&, int b, int h,
+  __device__ __forceinline__ static DenseKv make(const FwdKernelParams& p, const AttnQatFwdVisit&, int b, int h,
                                                  int) {
     using bf = __nv_bfloat16;
     return DenseKv{{static_cast<const bf*>(p.k) + b * p.k_stride.b + h * p.k_stride.h, p.k_stride.l, p.len_kv},
@@ -399,7 +414,7 @@ struct VisitKv {
   int pf0, pf1;            // entries of the next tile load() issues
   const int32_t* q_rows;   // valid rows of this query tile's two 64-row blocks, or null
   __device__ __forceinline__ int entry(int i) const { return i < count ? __ldg(entries + i) : 0; }
-  __device__ __forceinline__ static VisitKv make(const AttnQatFwdParams& p, const AttnQatFwdVisit& v, int b, int h,
+  __device__ __forceinline__ static VisitKv make(const FwdKernelParams& p, const AttnQatFwdVisit& v, int b, int h,
                                                  int m_block) {
     using bf = __nv_bfloat16;
     const int64_t row = (static_cast<int64_t>(b) * p.heads + h) * gridDim.x + m_block;
@@ -476,7 +491,7 @@ struct VisitKv {
 
 template <int BN, bool QUANT_P, class KV>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    attn_qat_fwd_kernel(const AttnQatFwdParams p, float scale_log2, const AttnQatFwdVisit visit) {
+    attn_qat_fwd_kernel(const FwdKernelParams p, float scale_log2, const AttnQatFwdVisit visit) {
   constexpr int kNT = BN / 8;   // n8 tiles of S per warp
   constexpr int kKS = BN / 16;  // k16 steps of P.V
   constexpr int kDT = kD / 8;   // n8 tiles of O
@@ -792,23 +807,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
 }
 
-std::string shape_str(const AttnQatFwdParams& p) {
-  return "B=" + std::to_string(p.batch) + " H=" + std::to_string(p.heads) + " Lq=" + std::to_string(p.len_q) +
-         " Lkv=" + std::to_string(p.len_kv) + " D=" + std::to_string(p.head_dim);
-}
+constexpr const char* kOp = "attn_qat_fwd";
+constexpr const char* kVisitOp = "attn_qat_fwd_visit";
 
-void check_strides(const char* name, const void* ptr, const BlhdStrides& s, const AttnQatFwdParams& p) {
-  const std::string where = std::string("attn_qat_fwd: ") + name + " (" + shape_str(p) + ")";
-  if (ptr == nullptr) throw std::runtime_error(where + ": null pointer");
-  if (s.d != 1) throw std::runtime_error(where + ": head-dim stride must be 1, got " + std::to_string(s.d));
-  if (s.b % 8 != 0 || s.l % 8 != 0 || s.h % 8 != 0)
-    throw std::runtime_error(where + ": strides (b=" + std::to_string(s.b) + ", l=" + std::to_string(s.l) +
-                             ", h=" + std::to_string(s.h) + ") must be multiples of 8 elements");
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw std::runtime_error(where + ": pointer not 16-byte aligned");
+std::string shape_str(const AttnQatFwdParams& p) {
+  return attention_shape_str(p.batch, p.heads, p.len_q, p.len_kv, p.head_dim);
 }
 
 template <int BN, bool QUANT_P, class KV>
-void launch_impl(const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit, cudaStream_t stream) {
+void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit,
+                 cudaStream_t stream) {
   auto kernel = attn_qat_fwd_kernel<BN, QUANT_P, KV>;
   // Q, two K/V stages, the scale table, and room to align the start to 1024 bytes.
   const int smem = (kBM + 2 * kStages * BN) * kD * 2 + kScaleTableBytes + kOnesBytes + 1024;
@@ -818,44 +826,42 @@ void launch_impl(const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVi
   VQAD_CUDA_CHECK(cudaGetDevice(&device));
   VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) {
-    const DeviceInfo dev = device_info(device);
-    throw std::runtime_error("attn_qat_fwd: no kernel for " + dev.name + " (sm_" + std::to_string(dev.arch()) +
-                             "; this kernel is for sm_90), shape " + shape_str(p));
-  }
+  VQAD_LAUNCH_CHECK(major == 9 && minor == 0, op, shape_str(p), "no kernel for this device: expected sm_90, found sm_",
+                    major, minor);
   cudaFuncAttributes attr{};
   const cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    const DeviceInfo dev = device_info();
-    throw std::runtime_error("attn_qat_fwd: no kernel image for " + dev.name + " (sm_" + std::to_string(dev.arch()) +
-                             "), shape " + shape_str(p) + ": " + cudaGetErrorString(err));
+    launch_fail(op, shape_str(p), "no kernel image for this device in the build (", cudaGetErrorString(err),
+                "): expected one for sm_90a");
   }
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const FwdKernelParams kp{p.q.data,    p.k.data,      p.v.data,   p.q.stride, p.k.stride,
+                           p.v.stride,  p.o.data,      p.o_hp.data, p.o.stride, p.o_hp.stride,
+                           p.m,         p.l,           p.batch,    p.heads,    p.len_q,
+                           p.len_kv,    p.head_dim,    p.softmax_scale, p.quant_p};
   const dim3 grid((p.len_q + kBM - 1) / kBM, p.heads, p.batch);
-  kernel<<<grid, kThreads, smem, stream>>>(p, scale_log2, visit);
+  kernel<<<grid, kThreads, smem, stream>>>(kp, scale_log2, visit);
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_fwd_kernel");
 }
 
 // Checks shared by both KV sources; returns scale * log2(e).
-float check_fwd_params(const AttnQatFwdParams& p) {
-  if (p.head_dim != kD)
-    throw std::runtime_error("attn_qat_fwd: head dim " + std::to_string(p.head_dim) + " is not supported (only " +
-                             std::to_string(kD) + "), shape " + shape_str(p));
-  if (p.batch <= 0 || p.heads <= 0 || p.len_q <= 0 || p.len_kv <= 0 || p.heads > 65535 || p.batch > 65535)
-    throw std::runtime_error("attn_qat_fwd: unsupported shape " + shape_str(p) +
-                             " (sizes must be positive; B, H <= 65535)");
-  check_strides("q", p.q, p.q_stride, p);
-  check_strides("k", p.k, p.k_stride, p);
-  check_strides("v", p.v, p.v_stride, p);
-  check_strides("o", p.o, p.o_stride, p);
-  if (p.o_hp != nullptr) check_strides("o_hp", p.o_hp, p.o_hp_stride, p);
-  if (p.quant_p && p.o_hp == nullptr)
-    throw std::runtime_error("attn_qat_fwd: quant_p needs o_hp (the backward's delta uses it), shape " + shape_str(p));
+float check_fwd_params(const char* op, const AttnQatFwdParams& p) {
+  const auto shape = [&] { return shape_str(p); };
+  VQAD_LAUNCH_CHECK(p.head_dim == kD, op, shape(), "expected head dim ", kD, ", found ", p.head_dim);
+  VQAD_LAUNCH_CHECK(p.batch > 0 && p.heads > 0 && p.len_q > 0 && p.len_kv > 0 && p.heads <= 65535 &&
+                        p.batch <= 65535,
+                    op, shape(), "unsupported shape: expected positive sizes and B, H <= 65535");
+  check_blhd(op, "q", p.q, shape);
+  check_blhd(op, "k", p.k, shape);
+  check_blhd(op, "v", p.v, shape);
+  check_blhd(op, "o", p.o, shape);
+  if (p.o_hp.data != nullptr) check_blhd(op, "o_hp", p.o_hp, shape);
+  VQAD_LAUNCH_CHECK(!p.quant_p || p.o_hp.data != nullptr, op, shape(),
+                    "tensor o_hp: expected a device pointer with quant_p (the backward's delta uses it), found null");
   // The kernel takes row maxima before scaling, which needs a positive scale.
-  if (!(p.softmax_scale >= 0.0f) || !std::isfinite(p.softmax_scale))
-    throw std::runtime_error("attn_qat_fwd: softmax_scale must be finite and >= 0 (0: 1/sqrt(D)), got " +
-                             std::to_string(p.softmax_scale) + ", shape " + shape_str(p));
+  VQAD_LAUNCH_CHECK(p.softmax_scale >= 0.0f && std::isfinite(p.softmax_scale), op, shape(),
+                    "expected a finite softmax_scale >= 0 (0: 1/sqrt(D)), found ", p.softmax_scale);
   const float scale = p.softmax_scale != 0.0f ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
   return scale * 1.4426950408889634f;
 }
@@ -863,26 +869,26 @@ float check_fwd_params(const AttnQatFwdParams& p) {
 }  // namespace
 
 void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
-  const float scale_log2 = check_fwd_params(p);
+  const float scale_log2 = check_fwd_params(kOp, p);
   const AttnQatFwdVisit none{};
   if (p.quant_p)
-    launch_impl<kAttnQatBlockN, true, DenseKv>(p, scale_log2, none, stream);
+    launch_impl<kAttnQatBlockN, true, DenseKv>(kOp, p, scale_log2, none, stream);
   else
-    launch_impl<kAttnQatBlockN, false, DenseKv>(p, scale_log2, none, stream);
+    launch_impl<kAttnQatBlockN, false, DenseKv>(kOp, p, scale_log2, none, stream);
 }
 
 void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit& visit, cudaStream_t stream) {
-  const float scale_log2 = check_fwd_params(p);
-  if (visit.entries == nullptr || visit.counts == nullptr || visit.stride < 1)
-    throw std::runtime_error("attn_qat_fwd_visit: visit lists missing (entries/counts null or stride " +
-                             std::to_string(visit.stride) + " < 1), shape " + shape_str(p));
-  if (p.len_kv > (static_cast<int64_t>(kAttnQatVisitMaxBlock) + 1) * kAttnQatVisitBlockRows)
-    throw std::runtime_error("attn_qat_fwd_visit: len_kv " + std::to_string(p.len_kv) +
-                             " has more 64-row blocks than a visit entry holds, shape " + shape_str(p));
+  const float scale_log2 = check_fwd_params(kVisitOp, p);
+  VQAD_LAUNCH_CHECK(visit.entries != nullptr && visit.counts != nullptr && visit.stride >= 1, kVisitOp, shape_str(p),
+                    "expected visit lists (entries, counts, stride >= 1), found entries ", visit.entries,
+                    ", counts ", visit.counts, ", stride ", visit.stride);
+  VQAD_LAUNCH_CHECK(p.len_kv <= (static_cast<int64_t>(kAttnQatVisitMaxBlock) + 1) * kAttnQatVisitBlockRows, kVisitOp,
+                    shape_str(p), "expected at most ", kAttnQatVisitMaxBlock + 1,
+                    " 64-row blocks (what a visit entry holds), found len_kv ", p.len_kv);
   if (p.quant_p)
-    launch_impl<kAttnQatBlockN, true, VisitKv>(p, scale_log2, visit, stream);
+    launch_impl<kAttnQatBlockN, true, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
   else
-    launch_impl<kAttnQatBlockN, false, VisitKv>(p, scale_log2, visit, stream);
+    launch_impl<kAttnQatBlockN, false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
 }
 
 }  // namespace vqad::kernels::attention
