@@ -81,9 +81,12 @@ double time_ms(Fn&& fn, int warmup, int iters) {
   return ms[ms.size() / 2];
 }
 
-ka::BlhdStrides strides_of(const torch::Tensor& t) {
-  return ka::BlhdStrides{t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+// BLHD views of the launch convention (kernels/common/launch.h).
+vqad::kernels::BlhdStrides strides_of(const torch::Tensor& t) {
+  return vqad::kernels::BlhdStrides{t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
+vqad::kernels::BlhdIn blhd_in(const torch::Tensor& t) { return {t.data_ptr(), strides_of(t)}; }
+vqad::kernels::BlhdOut blhd_out(const torch::Tensor& t) { return {t.data_ptr(), strides_of(t)}; }
 
 // The vqad QAT attention on one set of BLHD bf16 CUDA tensors: pre-pass buffers,
 // forward outputs and backward gradients, allocated once and reused by every call.
@@ -106,15 +109,12 @@ struct QatRun {
     const auto f32 = q.options().dtype(torch::kFloat32);
     m = torch::empty({B, H, Lq}, f32);
     l = torch::empty({B, H, Lq}, f32);
-    fq.q = q.data_ptr(), fq.k = k.data_ptr(), fq.v = v.data_ptr();
-    fq.q_stride = strides_of(q), fq.k_stride = strides_of(k), fq.v_stride = strides_of(v);
+    fq.q = blhd_in(q), fq.k = blhd_in(k), fq.v = blhd_in(v);
     fq.q_out = qh.data_ptr(), fq.k_out = kh.data_ptr(), fq.v_out = vh.data_ptr();
     fq.batch = static_cast<int>(B), fq.heads = static_cast<int>(H);
     fq.len_q = static_cast<int>(Lq), fq.len_kv = static_cast<int>(Lkv), fq.head_dim = static_cast<int>(kD);
-    fwd.q = qh.data_ptr(), fwd.k = kh.data_ptr(), fwd.v = vh.data_ptr();
-    fwd.q_stride = strides_of(qh), fwd.k_stride = strides_of(kh), fwd.v_stride = strides_of(vh);
-    fwd.o = o.data_ptr(), fwd.o_hp = o_hp.data_ptr();
-    fwd.o_stride = strides_of(o), fwd.o_hp_stride = strides_of(o_hp);
+    fwd.q = blhd_in(qh), fwd.k = blhd_in(kh), fwd.v = blhd_in(vh);
+    fwd.o = blhd_out(o), fwd.o_hp = blhd_out(o_hp);
     fwd.m = m.data_ptr<float>(), fwd.l = l.data_ptr<float>();
     fwd.batch = fq.batch, fwd.heads = fq.heads, fwd.len_q = fq.len_q, fwd.len_kv = fq.len_kv;
     fwd.head_dim = fq.head_dim;
@@ -131,16 +131,10 @@ struct QatRun {
     bwd.batch = fwd.batch, bwd.heads = fwd.heads, bwd.len_q = fwd.len_q, bwd.len_kv = fwd.len_kv;
     bwd.head_dim = fwd.head_dim;
     bwd.p_mode = vqad::kernels::AttnQatBwdPMode::kConsistent;
-    auto in = [](const torch::Tensor& t) {
-      return vqad::kernels::AttnQatBwdTensor{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
-    };
-    auto out = [](torch::Tensor& t) {
-      return vqad::kernels::AttnQatBwdOutTensor{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
-    };
-    bwd.q_hat = in(qh), bwd.k_hat = in(kh), bwd.v_hat = in(vh);
-    bwd.d_out = in(d_out), bwd.o_hp = in(o_hp);
+    bwd.q_hat = blhd_in(qh), bwd.k_hat = blhd_in(kh), bwd.v_hat = blhd_in(vh);
+    bwd.d_out = blhd_in(d_out), bwd.o_hp = blhd_in(o_hp);
     bwd.m = m.data_ptr<float>(), bwd.l = l.data_ptr<float>();
-    bwd.d_q = out(dq), bwd.d_k = out(dk), bwd.d_v = out(dv);
+    bwd.d_q = blhd_out(dq), bwd.d_k = blhd_out(dk), bwd.d_v = blhd_out(dv);
     const size_t ws = vqad::kernels::attn_qat_bwd_workspace_bytes(bwd);
     workspace = torch::empty({static_cast<int64_t>(std::max<size_t>(ws, 16))}, q.options().dtype(torch::kUInt8));
     bwd.workspace = workspace.data_ptr();
@@ -277,8 +271,7 @@ nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenc
       o.warmup, o.iters);
   {  // quantization off on the raw inputs: the kernel as a plain BF16 flash attention
     ka::AttnQatFwdParams plain = run.fwd;
-    plain.q = q.data_ptr(), plain.k = k.data_ptr(), plain.v = v.data_ptr();
-    plain.q_stride = strides_of(q), plain.k_stride = strides_of(k), plain.v_stride = strides_of(v);
+    plain.q = blhd_in(q), plain.k = blhd_in(k), plain.v = blhd_in(v);
     plain.quant_p = false;
     r["vqad_bf16_fwd_ms"] = time_ms([&] { ka::launch_attn_qat_fwd(plain, run.stream()); }, o.warmup, o.iters);
   }

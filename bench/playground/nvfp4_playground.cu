@@ -20,7 +20,6 @@
 // the linear kernels (to time an older kernel file with the same driver: put the
 // older nvfp4_kernels.cu/.h and nvfp4_math.h under OLD/src/vqad/kernels/nvfp4/ and
 // build with -IOLD/src -Isrc OLD/src/vqad/kernels/nvfp4/nvfp4_kernels.cu).
-// -DVQAD_NVFP4_FQ_BLOCKS=n / -DVQAD_NVFP4_Q_BLOCKS=n change the blocks per thread.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>

@@ -1,20 +1,26 @@
 // ATTN_QAT_TRAIN backward kernels (kernels/attention/attention_qat_bwd.h) against
-// the CPU reference backward (numerics/attention_qat_ref.h) on fresh random
-// inputs: self and cross lengths, ragged tails, padded row strides, NaN-poisoned
-// outputs; plus the dV norm metric of the consistent mode and bitwise
+// the CPU reference backward (numerics/attention_qat_ref.h) on fresh random inputs
+// (seeds printed; VQAD_TEST_SEED replays one): self and cross lengths, ragged tails,
+// padded row strides, NaN-poisoned outputs whose pads and tail must stay poisoned, peaky
+// rows; dQ, dK, dV held to a multiple of the reference's measured BF16 noise floor
+// (tests/support/metrics.h); plus the dV norm metric of the consistent mode and bitwise
 // determinism. Plain CUDA runtime + host code, no torch.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "tests/support/attention_inputs.h"
+#include "tests/support/device_buffers.h"
+#include "tests/support/errors.h"
+#include "tests/support/metrics.h"
 #include "vqad/core/error.h"
 #include "vqad/kernels/attention/attention_qat_bwd.h"
 #include "vqad/kernels/common/cuda_check.h"
@@ -27,103 +33,10 @@ namespace {
 namespace ref = vqad::attn_qat_ref;
 using vqad::kernels::AttnQatBwdParams;
 using vqad::kernels::AttnQatBwdPMode;
+using vqad::test::DeviceBlhd;
+using vqad::test::DeviceBuffer;
 constexpr int kD = 128;
 
-uint16_t to_bits(float x) {
-  const float r = ref::bf16_round(x);
-  uint32_t u;
-  std::memcpy(&u, &r, 4);
-  return static_cast<uint16_t>(u >> 16);
-}
-float from_bits(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Device BLHD bf16 tensor with row stride H*D + pad, filled with 0xFFFF (bf16 NaN).
-class DevTensor {
- public:
-  DevTensor(int B, int L, int H, int pad) : B_(B), L_(L), H_(H), pad_(pad) {
-    VQAD_CUDA_CHECK(cudaMalloc(&ptr_, elems() * 2));
-    VQAD_CUDA_CHECK(cudaMemset(ptr_, 0xFF, elems() * 2));
-  }
-  ~DevTensor() { cudaFree(ptr_); }
-  void poison() { VQAD_CUDA_CHECK(cudaMemset(ptr_, 0xFF, elems() * 2)); }
-  DevTensor(const DevTensor&) = delete;
-  DevTensor& operator=(const DevTensor&) = delete;
-
-  int64_t sl() const { return static_cast<int64_t>(H_) * kD + pad_; }
-  int64_t sb() const { return sl() * L_; }
-  size_t elems() const { return static_cast<size_t>(sb()) * B_; }
-  size_t index(int b, int l, int h, int d) const { return b * sb() + l * sl() + h * kD + d; }
-
-  void upload(const std::vector<float>& x) {
-    std::vector<uint16_t> h(elems(), 0xFFFF);
-    for_each([&](size_t dev, size_t host) { h[dev] = to_bits(x[host]); });
-    VQAD_CUDA_CHECK(cudaMemcpy(ptr_, h.data(), elems() * 2, cudaMemcpyHostToDevice));
-  }
-  std::vector<uint16_t> raw() const {
-    std::vector<uint16_t> h(elems());
-    VQAD_CUDA_CHECK(cudaMemcpy(h.data(), ptr_, elems() * 2, cudaMemcpyDeviceToHost));
-    return h;
-  }
-  std::vector<float> values(const std::vector<uint16_t>& raw) const {
-    std::vector<float> x(static_cast<size_t>(B_) * L_ * H_ * kD);
-    for_each([&](size_t dev, size_t host) { x[host] = from_bits(raw[dev]); });
-    return x;
-  }
-  // Elements between rows (the pad) keep the poison: nothing is written outside.
-  bool pad_untouched(const std::vector<uint16_t>& raw) const {
-    for (int b = 0; b < B_; ++b)
-      for (int l = 0; l < L_; ++l)
-        for (int64_t e = static_cast<int64_t>(H_) * kD; e < sl(); ++e)
-          if (raw[b * sb() + l * sl() + e] != 0xFFFF) return false;
-    return true;
-  }
-  vqad::kernels::AttnQatBwdTensor in() const { return {ptr_, sb(), sl(), kD}; }
-  vqad::kernels::AttnQatBwdOutTensor out() const { return {ptr_, sb(), sl(), kD}; }
-
- private:
-  template <typename F>
-  void for_each(F&& f) const {
-    for (int b = 0; b < B_; ++b)
-      for (int l = 0; l < L_; ++l)
-        for (int h = 0; h < H_; ++h)
-          for (int d = 0; d < kD; ++d)
-            f(index(b, l, h, d), ((static_cast<size_t>(b) * L_ + l) * H_ + h) * kD + d);
-  }
-  int B_, L_, H_, pad_;
-  void* ptr_ = nullptr;
-};
-
-template <typename T>
-class DevBuffer {
- public:
-  explicit DevBuffer(size_t n) : n_(n) { VQAD_CUDA_CHECK(cudaMalloc(&ptr_, std::max<size_t>(n, 1) * sizeof(T))); }
-  ~DevBuffer() { cudaFree(ptr_); }
-  DevBuffer(const DevBuffer&) = delete;
-  DevBuffer& operator=(const DevBuffer&) = delete;
-  T* get() const { return ptr_; }
-  void upload(const std::vector<T>& x) {
-    VQAD_CUDA_CHECK(cudaMemcpy(ptr_, x.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
-  }
-
- private:
-  size_t n_;
-  T* ptr_ = nullptr;
-};
-
-double rel_l2(const std::vector<float>& x, const std::vector<float>& r) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double d = static_cast<double>(x[i]) - r[i];
-    num += d * d;
-    den += static_cast<double>(r[i]) * r[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
 double l2(const std::vector<float>& x) {
   double s = 0;
   for (float v : x) s += static_cast<double>(v) * v;
@@ -131,20 +44,19 @@ double l2(const std::vector<float>& x) {
 }
 
 struct Case {
-  int B, H, Lq, Lkv, pad;
+  int B, H, Lq, Lkv, pad;  // pad: poisoned elements after each L row of every tensor (strided views)
   AttnQatBwdPMode mode;
+  bool peaky = false;  // a few logits per row far above the others (tests/support/attention_inputs.h)
 };
 
 struct Outcome {
   vqad::kernels::AttnQatBwdImpl impl = vqad::kernels::AttnQatBwdImpl::kAuto;
-  double dq = 0, dk = 0, dv = 0;
-  double dv_norm_ratio = 0;  // ||dV_kernel|| / ||dV_STE||
-  bool deterministic = false, pads_ok = false;
+  std::string what;                  // the case, its seed and the implementation, for failures
+  vqad::test::Closeness dq, dk, dv;  // against the reference, with its BF16 noise floor
+  double dv_norm_ratio = 0;          // ||dV_kernel|| / ||dV_STE||
+  bool deterministic = false;
+  size_t poison_damage = 0;  // elements around dQ, dK, dV (pads, tail) that were written
 };
-
-uint64_t fresh_seed() {
-  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-}
 
 // Every implementation available on this device: mma.sync everywhere, wgmma on sm_90.
 std::vector<vqad::kernels::AttnQatBwdImpl> impls_for_device() {
@@ -155,15 +67,35 @@ std::vector<vqad::kernels::AttnQatBwdImpl> impls_for_device() {
 
 // Runs the case once through the reference and once per implementation.
 std::vector<Outcome> run_case(const Case& c) {
-  const uint64_t seed = fresh_seed();
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto gen = [&](int L) {
-    std::vector<float> x(static_cast<size_t>(c.B) * L * c.H * kD);
-    for (auto& v : x) v = ref::bf16_round(nd(rng));
-    return x;
-  };
-  std::vector<float> q = gen(c.Lq), k = gen(c.Lkv), v = gen(c.Lkv), dout = gen(c.Lq);
+  char what[128];
+  std::snprintf(what, sizeof(what), "B=%d H=%d Lq=%d Lkv=%d pad=%d %s%s", c.B, c.H, c.Lq, c.Lkv, c.pad,
+                vqad::kernels::attn_qat_bwd_p_mode_name(c.mode), c.peaky ? " peaky" : "");
+  const uint64_t seed = vqad::test::test_seed(what);
+  SCOPED_TRACE(std::string(what) + ", seed " + std::to_string(seed));
+  vqad::test::AttentionInputs in;
+  if (c.peaky) {
+    // As the forward test's peaky rows: spikes in a middle KV tile, V of the spike keys
+    // against the others'.
+    vqad::test::PeakySpec spec;
+    spec.spike_key = c.Lkv * 3 / 5;
+    spec.margin = 6.0f;
+    in = vqad::test::peaky_attention_inputs(c.B, c.H, c.Lq, c.Lkv, kD, spec, seed);
+    std::mt19937_64 wrng(seed + 1);
+    const std::vector<float> w = vqad::test::normal_bf16(static_cast<size_t>(c.H) * kD, 1.0f, wrng);
+    for (int b = 0; b < c.B; ++b)
+      for (int j = 0; j < c.Lkv; ++j)
+        for (int h = 0; h < c.H; ++h)
+          for (int d = 0; d < kD; ++d) {
+            const bool spike = j >= spec.spike_key && j < spec.spike_key + spec.spikes;
+            float& e = in.v[((static_cast<size_t>(b) * c.Lkv + j) * c.H + h) * kD + d];
+            e = ref::bf16_round(0.5f * e + (spike ? -1.0f : 1.0f) * w[static_cast<size_t>(h) * kD + d]);
+          }
+  } else {
+    in = vqad::test::normal_attention_inputs(c.B, c.H, c.Lq, c.Lkv, kD, 1.0f, seed);
+  }
+  std::mt19937_64 rng(seed + 2);
+  std::vector<float> q = in.q, k = in.k, v = in.v;
+  std::vector<float> dout = vqad::test::normal_bf16(q.size(), 1.0f, rng);
   // The kernel takes the forward's fake-quantized Q^, K^, V^ (unit scale along D);
   // the reference gets the same values with its own Q/K/V quantization off.
   for (auto* t : {&q, &k, &v}) vqad::nvfp4::fake_quantize(t->data(), t->data(), t->size(), 1.0f);
@@ -191,17 +123,19 @@ std::vector<Outcome> run_case(const Case& c) {
   ref::backward(dims, vq(q, c.Lq), vq(k, c.Lkv), vq(v, c.Lkv), vq(ohp, c.Lq), vq(dout, c.Lq),
                 m.data(), l.data(), ste, vq(sdq, c.Lq), vq(sdk, c.Lkv), vq(sdv, c.Lkv));
 
-  DevTensor gq(c.B, c.Lq, c.H, c.pad), gk(c.B, c.Lkv, c.H, c.pad), gv(c.B, c.Lkv, c.H, c.pad),
-      gdo(c.B, c.Lq, c.H, c.pad), gohp(c.B, c.Lq, c.H, c.pad);
+  // Inputs and outputs with `pad` poisoned elements after each L row; the outputs also
+  // with a poisoned tail past the end.
+  constexpr int kTail = 64;
+  DeviceBlhd gq(c.B, c.Lq, c.H, kD, 0, c.pad), gk(c.B, c.Lkv, c.H, kD, 0, c.pad), gv(c.B, c.Lkv, c.H, kD, 0, c.pad),
+      gdo(c.B, c.Lq, c.H, kD, 0, c.pad), gohp(c.B, c.Lq, c.H, kD, 0, c.pad);
   gq.upload(q);
   gk.upload(k);
   gv.upload(v);
   gdo.upload(dout);
   gohp.upload(ohp);
-  DevTensor dq(c.B, c.Lq, c.H, c.pad), dk(c.B, c.Lkv, c.H, c.pad), dv(c.B, c.Lkv, c.H, c.pad);
-  DevBuffer<float> dm(m.size()), dl(l.size());
-  dm.upload(m);
-  dl.upload(l);
+  DeviceBlhd dq(c.B, c.Lq, c.H, kD, 0, c.pad, kTail), dk(c.B, c.Lkv, c.H, kD, 0, c.pad, kTail),
+      dv(c.B, c.Lkv, c.H, kD, 0, c.pad, kTail);
+  DeviceBuffer<float> dm(m), dl(l);
 
   AttnQatBwdParams p;
   p.batch = c.B, p.heads = c.H, p.len_q = c.Lq, p.len_kv = c.Lkv, p.head_dim = kD;
@@ -209,15 +143,13 @@ std::vector<Outcome> run_case(const Case& c) {
   p.q_hat = gq.in(), p.k_hat = gk.in(), p.v_hat = gv.in(), p.d_out = gdo.in(), p.o_hp = gohp.in();
   p.m = dm.get(), p.l = dl.get();
   p.d_q = dq.out(), p.d_k = dk.out(), p.d_v = dv.out();
-  const size_t ws_bytes = vqad::kernels::attn_qat_bwd_workspace_bytes(p);
-  DevBuffer<uint8_t> ws(ws_bytes);
-  VQAD_CUDA_CHECK(cudaMemset(ws.get(), 0xFF, ws_bytes));
+  DeviceBuffer<uint8_t> ws(vqad::kernels::attn_qat_bwd_workspace_bytes(p));  // 0xFF: garbage a kernel must not trust
   p.workspace = ws.get();
 
   std::vector<Outcome> outcomes;
   for (const auto impl : impls_for_device()) {
     p.impl = impl;
-    for (DevTensor* t : {&dq, &dk, &dv}) t->poison();
+    for (DeviceBlhd* t : {&dq, &dk, &dv}) t->poison();
     vqad::kernels::launch_attn_qat_bwd(p, nullptr);
     VQAD_CUDA_CHECK(cudaDeviceSynchronize());
     const auto rq = dq.raw(), rk = dk.raw(), rv = dv.raw();
@@ -226,31 +158,40 @@ std::vector<Outcome> run_case(const Case& c) {
 
     Outcome r;
     r.impl = impl;
+    r.what = std::string(what) + ", seed " + std::to_string(seed) + ", " + vqad::kernels::attn_qat_bwd_impl_name(impl);
     r.deterministic = rq == dq.raw() && rk == dk.raw() && rv == dv.raw();
-    r.pads_ok = dq.pad_untouched(rq) && dk.pad_untouched(rk) && dv.pad_untouched(rv);
+    r.poison_damage = dq.poison_damage(rq) + dk.poison_damage(rk) + dv.poison_damage(rv);
     const auto kdv = dv.values(rv);
-    r.dq = rel_l2(dq.values(rq), rdq);
-    r.dk = rel_l2(dk.values(rk), rdk);
-    r.dv = rel_l2(kdv, rdv);
+    r.dq = vqad::test::closeness(dq.values(rq), rdq);
+    r.dk = vqad::test::closeness(dk.values(rk), rdk);
+    r.dv = vqad::test::closeness(kdv, rdv);
     r.dv_norm_ratio = l2(kdv) / l2(sdv);
-    std::printf("  (B=%d,H=%d,Lq=%d,Lkv=%d,pad=%d) %-10s %-8s seed=%llu  rel L2: dQ %.3e dK %.3e "
-                "dV %.3e  ||dV||/||dV_STE|| kernel %.4f ref %.4f\n",
-                c.B, c.H, c.Lq, c.Lkv, c.pad, vqad::kernels::attn_qat_bwd_p_mode_name(c.mode),
-                vqad::kernels::attn_qat_bwd_impl_name(impl), static_cast<unsigned long long>(seed),
-                r.dq, r.dk, r.dv, r.dv_norm_ratio, l2(rdv) / l2(sdv));
+    std::printf("  %s %-8s rel L2 (floor): dQ %.3e (%.3e) dK %.3e (%.3e) dV %.3e (%.3e)  "
+                "||dV||/||dV_STE|| kernel %.4f ref %.4f\n",
+                what, vqad::kernels::attn_qat_bwd_impl_name(impl), r.dq.rel, r.dq.floor, r.dk.rel, r.dk.floor,
+                r.dv.rel, r.dv.floor, r.dv_norm_ratio, l2(rdv) / l2(sdv));
     outcomes.push_back(r);
   }
   return outcomes;
 }
 
+// dQ, dK, dV within kBf16FloorMultiple x the reference's BF16 noise floor, every element
+// written.
+void expect_close(const Outcome& r) {
+  const std::pair<const char*, const vqad::test::Closeness*> grads[] = {{"dQ", &r.dq}, {"dK", &r.dk}, {"dV", &r.dv}};
+  for (const auto& [name, c] : grads) {
+    EXPECT_LT(c->first_nonfinite, 0) << name << ": element " << c->first_nonfinite << " is not finite (unwritten?)";
+    EXPECT_LE(c->rel, vqad::test::floor_tolerance(*c))
+        << name << ": rel L2 " << c->rel << ", floor " << c->floor << ", worst element " << c->worst;
+  }
+}
+
 void expect_matches(const Case& c) {
   for (const Outcome& r : run_case(c)) {
-    SCOPED_TRACE(vqad::kernels::attn_qat_bwd_impl_name(r.impl));
-    EXPECT_LE(r.dq, 1e-2) << "dQ";
-    EXPECT_LE(r.dk, 1e-2) << "dK";
-    EXPECT_LE(r.dv, 1e-2) << "dV";
+    SCOPED_TRACE(r.what);
+    expect_close(r);
     EXPECT_TRUE(r.deterministic) << "two launches gave different bits";
-    EXPECT_TRUE(r.pads_ok) << "a kernel wrote outside the gradient rows";
+    EXPECT_EQ(r.poison_damage, 0u) << "a kernel wrote outside the gradient rows";
   }
 }
 
@@ -274,13 +215,18 @@ TEST_F(AttnQatBwdGpu, OrderedDqLongChains) {
 TEST_F(AttnQatBwdGpu, SingleQueryRow) { expect_matches({1, 1, 1, 129, 16, AttnQatBwdPMode::kConsistent}); }
 TEST_F(AttnQatBwdGpu, FastVideoMode) { expect_matches({1, 2, 300, 250, 0, AttnQatBwdPMode::kFastVideo}); }
 TEST_F(AttnQatBwdGpu, NoPQuantization) { expect_matches({2, 2, 190, 333, 8, AttnQatBwdPMode::kNone}); }
+// A few logits per row about 2^6 above the others: the dV path's P is quantized against
+// the saved final row max m; against a max 2^6 lower (as a per-tile running max would
+// be) dV moves by ~2x this tolerance on the CPU reference.
+TEST_F(AttnQatBwdGpu, PeakyRowsConsistent) {
+  expect_matches({1, 2, 300, 1000, 8, AttnQatBwdPMode::kConsistent, /*peaky=*/true});
+}
+TEST_F(AttnQatBwdGpu, PeakyRowsFastVideo) { expect_matches({1, 2, 300, 1000, 0, AttnQatBwdPMode::kFastVideo, true}); }
 
 TEST_F(AttnQatBwdGpu, ConsistentDvNormAtN4096) {
   for (const Outcome& r : run_case({1, 1, 4096, 4096, 0, AttnQatBwdPMode::kConsistent})) {
-    SCOPED_TRACE(vqad::kernels::attn_qat_bwd_impl_name(r.impl));
-    EXPECT_LE(r.dq, 1e-2);
-    EXPECT_LE(r.dk, 1e-2);
-    EXPECT_LE(r.dv, 1e-2);
+    SCOPED_TRACE(r.what);
+    expect_close(r);
     EXPECT_GE(r.dv_norm_ratio, 0.9);
     EXPECT_LE(r.dv_norm_ratio, 1.1);
     EXPECT_TRUE(r.deterministic);
@@ -292,36 +238,49 @@ TEST_F(AttnQatBwdGpu, FastVideoFlushesDvAtN4096) {
   // loses most of its norm (spec: about 0.22 at N = 4096), and the kernel still
   // matches the reference.
   for (const Outcome& r : run_case({1, 1, 4096, 4096, 0, AttnQatBwdPMode::kFastVideo})) {
-    SCOPED_TRACE(vqad::kernels::attn_qat_bwd_impl_name(r.impl));
-    EXPECT_LE(r.dq, 1e-2);
-    EXPECT_LE(r.dk, 1e-2);
-    EXPECT_LE(r.dv, 1e-2);
+    SCOPED_TRACE(r.what);
+    expect_close(r);
     EXPECT_LT(r.dv_norm_ratio, 0.5);
   }
 }
 
 TEST_F(AttnQatBwdGpu, RejectsBadInput) {
-  DevTensor t(1, 32, 1, 0);
-  DevBuffer<float> stats(32);
-  DevBuffer<uint8_t> ws(32 * 16);
+  DeviceBlhd t(1, 32, 1, kD);
+  DeviceBuffer<float> stats(32);
+  DeviceBuffer<uint8_t> ws(32 * 16);
   AttnQatBwdParams p;
   p.batch = 1, p.heads = 1, p.len_q = 32, p.len_kv = 32;
   p.q_hat = p.k_hat = p.v_hat = p.d_out = p.o_hp = t.in();
   p.d_q = p.d_k = p.d_v = t.out();
   p.m = p.l = stats.get();
   p.workspace = ws.get();
+  using vqad::test::error_of;
   AttnQatBwdParams bad = p;
   bad.head_dim = 64;
-  EXPECT_THROW(vqad::kernels::launch_attn_qat_bwd(bad, nullptr), vqad::Error);
+  std::string msg = error_of([&] { vqad::kernels::launch_attn_qat_bwd(bad, nullptr); });
+  EXPECT_NE(msg.find("attn_qat_bwd: expected head dim 128, found 64"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("B=1 H=1 Lq=32 Lkv=32 D=64"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(sm_"), std::string::npos) << msg;  // the device and its arch
   bad = p;
-  bad.k_hat.stride_l = 132;  // rows no longer 16-byte aligned
-  EXPECT_THROW(vqad::kernels::launch_attn_qat_bwd(bad, nullptr), vqad::Error);
+  bad.k_hat.stride.l = 132;  // rows no longer 16-byte aligned
+  msg = error_of([&] { vqad::kernels::launch_attn_qat_bwd(bad, nullptr); });
+  EXPECT_NE(msg.find("tensor k_hat: expected strides (b, l, h) that are non-negative multiples of 8"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("found (4096, 132, 128)"), std::string::npos) << msg;
+  bad = p;
+  bad.d_v.stride.d = 2;
+  msg = error_of([&] { vqad::kernels::launch_attn_qat_bwd(bad, nullptr); });
+  EXPECT_NE(msg.find("tensor d_v: expected head-dim stride 1, found 2"), std::string::npos) << msg;
   bad = p;
   bad.workspace = nullptr;
-  EXPECT_THROW(vqad::kernels::launch_attn_qat_bwd(bad, nullptr), vqad::Error);
+  msg = error_of([&] { vqad::kernels::launch_attn_qat_bwd(bad, nullptr); });
+  EXPECT_NE(msg.find("expected a workspace of"), std::string::npos) << msg;
   bad = p;
   bad.len_kv = 0;
-  EXPECT_THROW(vqad::kernels::launch_attn_qat_bwd(bad, nullptr), vqad::Error);
+  msg = error_of([&] { vqad::kernels::launch_attn_qat_bwd(bad, nullptr); });
+  EXPECT_NE(msg.find("unsupported shape"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Lkv=0"), std::string::npos) << msg;
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/errors.h"
 #include "tests/support/torch_checks.h"
 #include "vqad/core/error.h"
 #include "vqad/model/wan/model.h"
@@ -26,6 +27,7 @@
 namespace {
 
 using vqad::test::all_finite;
+using vqad::test::error_of;
 using vqad::test::rel_l2;
 
 using vqad::ops::AttnQatBwdMode;
@@ -180,17 +182,6 @@ TEST(AttentionQatOpCuda, QuantizationOffMatchesSoftmaxMath) {
   // The quantized path must differ from plain attention, or the flags do nothing.
   const torch::Tensor o_qat = vqad::ops::attention_qat(q, k, v, AttnQatOptions{});
   EXPECT_GT(rel_l2(o_qat, of), 1e-2);
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const vqad::Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("NOT A vqad::Error: ") + e.what();
-  }
-  return "no error";
 }
 
 TEST(AttentionQatOpCuda, HeadDim64IsAClearError) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/device_buffers.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels_fp4/nvfp4_fp4_routes.h"
@@ -28,31 +29,17 @@ namespace nv = vqad::nvfp4;
     if (!fp4::fp4_routes_available(-1, &why)) GTEST_SKIP() << "Blackwell FP4 routes not run: " << why; \
   } while (0)
 
-template <typename T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t count) : n(count) { VQAD_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(T))); }
-  Dev(const std::vector<T>& h) : Dev(h.size()) {
-    VQAD_CUDA_CHECK(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~Dev() { cudaFree(p); }
-  std::vector<T> host() const {
-    std::vector<T> h(n);
-    VQAD_CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using vqad::test::DeviceBuffer;  // poisoned device memory (tests/support)
 
 // Quantizes rows of fp32 x (one encode scale) on the GPU; returns unpacked codes and scales.
 void gpu_quantize(const std::vector<float>& x, int64_t rows, int64_t cols, float s_enc, std::vector<uint8_t>* codes,
                   std::vector<uint8_t>* scales) {
-  Dev<float> dx(x), ds(std::vector<float>{s_enc});
-  Dev<uint8_t> dc(size_t(rows * cols / 2)), dsc(size_t(rows * cols / 16));
-  fp4::launch_quantize_e2m1x2(dx.p, false, rows, cols, ds.p, dc.p, dsc.p, nullptr);
+  DeviceBuffer<float> dx(x), ds(std::vector<float>{s_enc});
+  DeviceBuffer<uint8_t> dc(size_t(rows * cols / 2)), dsc(size_t(rows * cols / 16));
+  fp4::launch_quantize_e2m1x2(dx.get(), false, rows, cols, ds.get(), dc.get(), dsc.get(), nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-  *codes = nv::unpack_codes(dc.host());
-  *scales = dsc.host();
+  *codes = nv::unpack_codes(dc.download());
+  *scales = dsc.download();
 }
 
 template <typename T>
@@ -106,10 +93,10 @@ TEST(Fp4Blackwell, QuantizerAndSwizzleEqualTheCpuReferenceOnRandomMatrices) {
   gpu_quantize(x, rows, cols, s_enc, &codes, &scales);
   EXPECT_EQ(codes, ref.codes);
   EXPECT_EQ(scales, ref.scales);
-  Dev<uint8_t> dsc(scales), dsw(size_t(fp4::swizzled_bytes(rows, cols / 16)));
-  fp4::launch_swizzle_scales(dsc.p, rows, cols / 16, dsw.p, nullptr);
+  DeviceBuffer<uint8_t> dsc(scales), dsw(size_t(fp4::swizzled_bytes(rows, cols / 16)));
+  fp4::launch_swizzle_scales(dsc.get(), rows, cols / 16, dsw.get(), nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_EQ(dsw.host(), ref.scales_swizzled);
+  EXPECT_EQ(dsw.download(), ref.scales_swizzled);
 }
 
 TEST(Fp4Blackwell, BlockScaledGemmMatchesTheDequantizedFp32Gemm) {
@@ -128,13 +115,13 @@ TEST(Fp4Blackwell, BlockScaledGemmMatchesTheDequantizedFp32Gemm) {
   const float sx = nv::encode_scale_from_amax(amax_of(x)), sw = nv::encode_scale_from_amax(amax_of(w));
   const auto qx = nv::quantize_matrix(x.data(), m, k, sx), qw = nv::quantize_matrix(w.data(), n, k, sw);
   const float alpha = (1.0f / sx) * (1.0f / sw);
-  Dev<uint8_t> a(qx.packed_codes()), asf(qx.scales_swizzled), b(qw.packed_codes()), bsf(qw.scales_swizzled);
-  Dev<float> ab(std::vector<float>{alpha, 0.0f});
-  Dev<uint16_t> d(size_t(m * n));
-  Dev<uint8_t> ws(fp4::kFp4GemmWorkspaceBytes);
-  fp4::gemm_fp4_nt(a.p, asf.p, b.p, bsf.p, d.p, m, n, k, ab.p, ws.p, ws.n, nullptr);
+  DeviceBuffer<uint8_t> a(qx.packed_codes()), asf(qx.scales_swizzled), b(qw.packed_codes()), bsf(qw.scales_swizzled);
+  DeviceBuffer<float> ab(std::vector<float>{alpha, 0.0f});
+  DeviceBuffer<uint16_t> d(size_t(m * n));
+  DeviceBuffer<uint8_t> ws(fp4::kFp4GemmWorkspaceBytes);
+  fp4::gemm_fp4_nt(a.get(), asf.get(), b.get(), bsf.get(), d.get(), m, n, k, ab.get(), ws.get(), ws.size(), nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto got = d.host();
+  const auto got = d.download();
   // Reference: the exact products e2m1 * S summed in double, times alpha.
   int bad = 0;
   double max_ref = 0.0;
@@ -179,13 +166,13 @@ TEST(Fp4Blackwell, BlockScaledGemmWithFp32OutputIsTheFp32SumOfTheExactProducts) 
   const float sx = nv::encode_scale_from_amax(amax_of(x)), sw = nv::encode_scale_from_amax(amax_of(w));
   const auto qx = nv::quantize_matrix(x.data(), m, k, sx), qw = nv::quantize_matrix(w.data(), n, k, sw);
   const float alpha = (1.0f / sx) * (1.0f / sw);
-  Dev<uint8_t> a(qx.packed_codes()), asf(qx.scales_swizzled), b(qw.packed_codes()), bsf(qw.scales_swizzled);
-  Dev<float> ab(std::vector<float>{alpha, 0.0f});
-  Dev<float> d(size_t(m * n));
-  Dev<uint8_t> ws(fp4::kFp4GemmWorkspaceBytes);
-  fp4::gemm_fp4_nt(a.p, asf.p, b.p, bsf.p, d.p, m, n, k, ab.p, ws.p, ws.n, nullptr, fp4::Fp4GemmOut::kF32);
+  DeviceBuffer<uint8_t> a(qx.packed_codes()), asf(qx.scales_swizzled), b(qw.packed_codes()), bsf(qw.scales_swizzled);
+  DeviceBuffer<float> ab(std::vector<float>{alpha, 0.0f});
+  DeviceBuffer<float> d(size_t(m * n));
+  DeviceBuffer<uint8_t> ws(fp4::kFp4GemmWorkspaceBytes);
+  fp4::gemm_fp4_nt(a.get(), asf.get(), b.get(), bsf.get(), d.get(), m, n, k, ab.get(), ws.get(), ws.size(), nullptr, fp4::Fp4GemmOut::kF32);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto got = d.host();
+  const auto got = d.download();
   int bad = 0;
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {

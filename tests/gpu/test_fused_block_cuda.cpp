@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/errors.h"
 #include "tests/support/torch_checks.h"
 #include "vqad/kernels/fused/fused_block_kernels.h"
 #include "vqad/model/wan/model.h"
@@ -28,6 +29,7 @@
 namespace {
 
 using vqad::test::all_finite;
+using vqad::test::error_of;
 using vqad::test::rel_l2;
 
 using torch::Tensor;
@@ -347,15 +349,6 @@ TEST(FusedBlockCuda, LaunchersWriteEveryElementAndNothingPastTheEnd) {
 }
 
 // ---- errors -------------------------------------------------------------------------------------
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 TEST(FusedBlockCuda, BadInputsAreClearErrors) {
   require_gpu();
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);

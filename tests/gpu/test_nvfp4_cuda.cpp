@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/device_buffers.h"
+#include "tests/support/metrics.h"
 #include "vqad/core/error.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/kernels/common/cuda_check.h"
@@ -45,52 +47,26 @@ float from_bits(uint32_t u) {
   std::memcpy(&f, &u, 4);
   return f;
 }
-uint16_t bf16_rne(float f) {
-  const uint32_t u = bits_of(f);
-  if (std::isnan(f)) return 0x7FC0;
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-float bf16_to_float(uint16_t b) { return from_bits(static_cast<uint32_t>(b) << 16); }
+using vqad::test::bf16_bits;  // round to nearest even, NaN -> 0x7FC0
+using vqad::test::bf16_value;
+
+std::string current_test() { return ::testing::UnitTest::GetInstance()->current_test_info()->name(); }
 
 void require_gpu() {
   ASSERT_GT(vqad::kernels::device_count(), 0) << "no CUDA device visible: GPU tests need a GPU machine";
 }
 
-// Device buffer filled with poison, with a sentinel zone after `bytes`.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    VQAD_CUDA_CHECK(cudaMalloc(&ptr_, bytes + kSentinel));
-    VQAD_CUDA_CHECK(cudaMemset(ptr_, kPoison, bytes + kSentinel));
-  }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <typename T = void>
-  T* get() const { return static_cast<T*>(ptr_); }
-  void upload(const void* src, size_t n) { VQAD_CUDA_CHECK(cudaMemcpy(ptr_, src, n, cudaMemcpyHostToDevice)); }
-  template <typename T>
-  std::vector<T> download(size_t count) const {
-    std::vector<T> out(count);
-    VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-    VQAD_CUDA_CHECK(cudaMemcpy(out.data(), ptr_, count * sizeof(T), cudaMemcpyDeviceToHost));
-    return out;
-  }
-  // Every byte after `bytes` still holds the poison.
-  void expect_sentinel(const std::string& what) const {
-    std::vector<uint8_t> tail(kSentinel);
-    VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-    VQAD_CUDA_CHECK(cudaMemcpy(tail.data(), static_cast<uint8_t*>(ptr_) + bytes_, kSentinel,
-                               cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < kSentinel; ++i) {
-      ASSERT_EQ(tail[i], kPoison) << what << ": write past the end at byte " << i;
-    }
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_;
+// Device bytes filled with poison, with a sentinel zone after them (tests/support).
+struct DeviceBuffer : vqad::test::DeviceBuffer<uint8_t> {
+  explicit DeviceBuffer(size_t bytes) : vqad::test::DeviceBuffer<uint8_t>(bytes, kPoison, kSentinel) {}
 };
+
+// Every byte after the buffer's end still holds the poison.
+void expect_sentinel(const DeviceBuffer& buf, const std::string& what) {
+  size_t first = 0;
+  const size_t bad = buf.sentinel_damage(&first);
+  ASSERT_EQ(bad, 0u) << what << ": " << bad << " bytes written past the end, the first at byte " << first;
+}
 
 enum class Dist { kNormal, kHeavy, kTiny, kHuge, kZeroBlocks, kInf, kNaN, kTies };
 const char* dist_name(Dist d) {
@@ -199,7 +175,7 @@ DeviceInput place(const std::vector<float>& x, int64_t rows, int64_t cols, kn::D
     for (int64_t c = 0; c < cols; ++c) {
       const float v = x[r * cols + c];
       if (dtype == kn::DType::kBF16) {
-        const uint16_t h = bf16_rne(v);
+        const uint16_t h = bf16_bits(v);
         std::memcpy(&host[(off + c) * es], &h, 2);
       } else {
         std::memcpy(&host[(off + c) * es], &v, 4);
@@ -225,7 +201,7 @@ DeviceInput place(const std::vector<float>& x, int64_t rows, int64_t cols, kn::D
 std::vector<float> as_input_dtype(const std::vector<float>& x, kn::DType dtype) {
   if (dtype == kn::DType::kF32) return x;
   std::vector<float> r(x.size());
-  for (size_t i = 0; i < x.size(); ++i) r[i] = bf16_to_float(bf16_rne(x[i]));
+  for (size_t i = 0; i < x.size(); ++i) r[i] = bf16_value(bf16_bits(x[i]));
   return r;
 }
 
@@ -233,7 +209,7 @@ void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
               Layout layout, uint32_t seed) {
   const std::string what = std::string("[") + std::to_string(rows) + ", " + std::to_string(cols) + "] " +
                            dist_name(dist) + " " + kn::dtype_name(in_dt) + "->" + kn::dtype_name(out_dt) +
-                           " " + nv::scale_mode_name(mode) + " " + layout_name(layout);
+                           " " + nv::scale_mode_name(mode) + " " + layout_name(layout) + " seed " + std::to_string(seed);
   SCOPED_TRACE(what);
   const std::vector<float> x = as_input_dtype(make_input(rows * cols, dist, seed), in_dt);
   const float static_s_enc = nv::encode_scale_from_amax(7.5f);
@@ -245,12 +221,12 @@ void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
   DeviceBuffer amax(sizeof(float));
   if (mode == nv::ScaleMode::kStatic) sc.value = static_s_enc;
   if (mode == nv::ScaleMode::kDynamic) {
-    kn::launch_amax(in.view, amax.get<float>(), nullptr);
-    const float got = amax.download<float>(1)[0];
+    kn::launch_amax(in.view, amax.as<float>(), nullptr);
+    const float got = amax.download_as<float>(1)[0];
     const float want = nv::amax(x.data(), x.size());
     ASSERT_TRUE(same(got, want)) << "amax " << got << " vs " << want;
-    amax.expect_sentinel("amax");
-    sc.amax_device = amax.get<float>();
+    expect_sentinel(amax, "amax");
+    sc.amax_device = amax.as<float>();
   }
 
   // Fake quantization into a dense output.
@@ -267,17 +243,17 @@ void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
   kn::launch_fake_quantize(in.view, yv, sc, nullptr);
   int bad = 0;
   if (out_dt == kn::DType::kBF16) {
-    const auto got = y.download<uint16_t>(n);
+    const auto got = y.download_as<uint16_t>(n);
     for (int64_t i = 0; i < n && bad < 5; ++i) {
-      const uint16_t want = bf16_rne(e.values[i]);
-      if (!(got[i] == want || (std::isnan(e.values[i]) && std::isnan(bf16_to_float(got[i]))))) {
-        ADD_FAILURE() << "fake-quant elem " << i << " x=" << x[i] << ": got " << bf16_to_float(got[i])
-                      << " want " << bf16_to_float(want);
+      const uint16_t want = bf16_bits(e.values[i]);
+      if (!(got[i] == want || (std::isnan(e.values[i]) && std::isnan(bf16_value(got[i]))))) {
+        ADD_FAILURE() << "fake-quant elem " << i << " x=" << x[i] << ": got " << bf16_value(got[i])
+                      << " want " << bf16_value(want);
         ++bad;
       }
     }
   } else {
-    const auto got = y.download<float>(n);
+    const auto got = y.download_as<float>(n);
     for (int64_t i = 0; i < n && bad < 5; ++i) {
       if (!same(got[i], e.values[i])) {
         ADD_FAILURE() << "fake-quant elem " << i << " x=" << x[i] << ": got " << got[i] << " want "
@@ -286,20 +262,20 @@ void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
       }
     }
   }
-  y.expect_sentinel("fake-quant output");
+  expect_sentinel(y, "fake-quant output");
 
   // Quantize + pack.
   const int64_t swz = kn::swizzled_size(rows, scale_cols);
   ASSERT_EQ(swz, nv::swizzled_scales_size(rows, scale_cols));
   DeviceBuffer codes(n / 2), scales(rows * scale_cols), swizzled(swz);
   kn::QuantizeOutputs qo;
-  qo.packed_codes = codes.get<uint8_t>();
-  qo.scales_linear = scales.get<uint8_t>();
-  qo.scales_swizzled = swizzled.get<uint8_t>();
+  qo.packed_codes = codes.as<uint8_t>();
+  qo.scales_linear = scales.as<uint8_t>();
+  qo.scales_swizzled = swizzled.as<uint8_t>();
   kn::launch_quantize(in.view, sc, qo, nullptr);
-  const auto got_codes = nv::unpack_codes(codes.download<uint8_t>(n / 2));
-  const auto got_scales = scales.download<uint8_t>(rows * scale_cols);
-  const auto got_swz = swizzled.download<uint8_t>(swz);
+  const auto got_codes = nv::unpack_codes(codes.download_as<uint8_t>(n / 2));
+  const auto got_scales = scales.download_as<uint8_t>(rows * scale_cols);
+  const auto got_swz = swizzled.download_as<uint8_t>(swz);
   for (int64_t i = 0; i < n && bad < 10; ++i) {
     if (got_codes[i] != e.codes[i]) {
       ADD_FAILURE() << "code elem " << i << " x=" << x[i] << ": got " << int(got_codes[i]) << " want "
@@ -314,9 +290,9 @@ void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
     }
   }
   EXPECT_EQ(got_swz, e.swizzled) << "swizzled scales (pad bytes must be zero)";
-  codes.expect_sentinel("packed codes");
-  scales.expect_sentinel("linear scales");
-  swizzled.expect_sentinel("swizzled scales");
+  expect_sentinel(codes, "packed codes");
+  expect_sentinel(scales, "linear scales");
+  expect_sentinel(swizzled, "swizzled scales");
 
   // Dequantize from the CPU reference's packed codes, both scale layouts.
   DeviceBuffer ref_codes(n / 2), ref_scales(rows * scale_cols), ref_swz(swz);
@@ -330,9 +306,9 @@ void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
   dsc.value = e.s_enc;
   for (bool use_swz : {false, true}) {
     DeviceBuffer dq(n * 4);
-    kn::launch_dequantize(ref_codes.get<uint8_t>(), use_swz ? ref_swz.get<uint8_t>() : ref_scales.get<uint8_t>(),
+    kn::launch_dequantize(ref_codes.as<uint8_t>(), use_swz ? ref_swz.as<uint8_t>() : ref_scales.as<uint8_t>(),
                           use_swz, dsc, kn::dense_view(dq.get(), kn::DType::kF32, rows, cols), nullptr);
-    const auto got = dq.download<float>(n);
+    const auto got = dq.download_as<float>(n);
     for (int64_t i = 0; i < n && bad < 15; ++i) {
       if (!same(got[i], want_dq[i])) {
         ADD_FAILURE() << "dequantize (" << (use_swz ? "swizzled" : "linear") << ") elem " << i << ": got "
@@ -340,7 +316,7 @@ void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
         ++bad;
       }
     }
-    dq.expect_sentinel("dequantize output");
+    expect_sentinel(dq, "dequantize output");
   }
 }
 
@@ -351,8 +327,7 @@ TEST(Nvfp4Cuda, RandomInputsMatchReferenceBitExactly) {
   const std::pair<int64_t, int64_t> shapes[] = {{1, 16}, {3, 48}, {37, 80}, {130, 80}, {257, 1536}, {129, 208}};
   const Dist dists[] = {Dist::kNormal, Dist::kHeavy, Dist::kTiny,   Dist::kHuge,
                         Dist::kZeroBlocks, Dist::kInf, Dist::kNaN, Dist::kTies};
-  uint32_t seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
+  uint32_t seed = static_cast<uint32_t>(vqad::test::test_seed(current_test()));
   for (const auto& [rows, cols] : shapes) {
     for (Dist d : dists) {
       for (nv::ScaleMode mode : {nv::ScaleMode::kUnit, nv::ScaleMode::kDynamic, nv::ScaleMode::kStatic}) {
@@ -366,8 +341,7 @@ TEST(Nvfp4Cuda, RandomInputsMatchReferenceBitExactly) {
 
 TEST(Nvfp4Cuda, DtypeCombinationsAndLayouts) {
   require_gpu();
-  uint32_t seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
+  uint32_t seed = static_cast<uint32_t>(vqad::test::test_seed(current_test()));
   for (kn::DType in : {kn::DType::kBF16, kn::DType::kF32}) {
     for (kn::DType out : {kn::DType::kBF16, kn::DType::kF32}) {
       for (Layout l : {Layout::kDense, Layout::kRowStride, Layout::kMisaligned, Layout::kPermuted3d}) {
@@ -386,8 +360,7 @@ TEST(Nvfp4Cuda, DtypeCombinationsAndLayouts) {
 TEST(Nvfp4Cuda, LargeRowsUseEveryThread) {
   require_gpu();
   // More blocks than one grid-stride pass covers; odd block counts per row.
-  const uint32_t seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
+  const uint32_t seed = static_cast<uint32_t>(vqad::test::test_seed(current_test()));
   run_case(4099, 1024, Dist::kNormal, kn::DType::kBF16, kn::DType::kBF16, nv::ScaleMode::kDynamic, Layout::kDense,
            seed);
   run_case(20001, 656, Dist::kHeavy, kn::DType::kF32, kn::DType::kBF16, nv::ScaleMode::kStatic, Layout::kRowStride,
@@ -415,25 +388,25 @@ TEST(Nvfp4Cuda, GoldenVectorsBitExact) {
     DeviceBuffer dx(x.size() * 4), dy(y.size() * 4), dcodes(rows * 8), dscales(rows), damax(rows * 4);
     dx.upload(x.data(), x.size() * 4);
     for (int64_t g0 = 0; g0 < rows; g0 += group) {
-      const kn::TensorView xv = kn::dense_view(dx.get<float>() + g0 * 16, kn::DType::kF32, group, 16);
-      const kn::TensorView yv = kn::dense_view(dy.get<float>() + g0 * 16, kn::DType::kF32, group, 16);
+      const kn::TensorView xv = kn::dense_view(dx.as<float>() + g0 * 16, kn::DType::kF32, group, 16);
+      const kn::TensorView yv = kn::dense_view(dy.as<float>() + g0 * 16, kn::DType::kF32, group, 16);
       kn::EncodeScale sc;
       if (dynamic) {
-        kn::launch_amax(xv, damax.get<float>() + g0, nullptr);
-        sc.amax_device = damax.get<float>() + g0;
+        kn::launch_amax(xv, damax.as<float>() + g0, nullptr);
+        sc.amax_device = damax.as<float>() + g0;
       }
       kn::launch_fake_quantize(xv, yv, sc, nullptr);
       kn::QuantizeOutputs qo;
-      qo.packed_codes = dcodes.get<uint8_t>() + g0 * 8;
-      qo.scales_linear = dscales.get<uint8_t>() + g0;
+      qo.packed_codes = dcodes.as<uint8_t>() + g0 * 8;
+      qo.scales_linear = dscales.as<uint8_t>() + g0;
       kn::launch_quantize(xv, sc, qo, nullptr);
     }
-    const auto got_y = dy.download<float>(y.size());
-    const auto got_codes = nv::unpack_codes(dcodes.download<uint8_t>(rows * 8));
-    const auto got_scales = dscales.download<uint8_t>(rows);
+    const auto got_y = dy.download_as<float>(y.size());
+    const auto got_codes = nv::unpack_codes(dcodes.download_as<uint8_t>(rows * 8));
+    const auto got_scales = dscales.download_as<uint8_t>(rows);
     int bad = 0;
     if (dynamic) {
-      const auto got_amax = damax.download<float>(rows);
+      const auto got_amax = damax.download_as<float>(rows);
       for (int64_t g0 = 0; g0 < rows; g0 += group) {
         EXPECT_EQ(got_amax[g0], tensor_amax[g0]) << "tensor amax of rows " << g0 << "..";
       }
@@ -454,8 +427,8 @@ TEST(Nvfp4Cuda, GoldenVectorsBitExact) {
       }
     }
     EXPECT_EQ(bad, 0);
-    dy.expect_sentinel("golden fake-quant output");
-    dcodes.expect_sentinel("golden packed codes");
+    expect_sentinel(dy, "golden fake-quant output");
+    expect_sentinel(dcodes, "golden packed codes");
   }
 }
 
@@ -475,7 +448,7 @@ TEST(Nvfp4Cuda, BadShapesAreErrors) {
   strided.strides[1] = 2;
   strided.strides[0] = 64;
   EXPECT_THROW(kn::launch_quantize(strided, {}, kn::QuantizeOutputs{}, nullptr), vqad::Error);
-  EXPECT_THROW(kn::launch_amax(xv, x.get<float>(), nullptr), vqad::Error);
+  EXPECT_THROW(kn::launch_amax(xv, x.as<float>(), nullptr), vqad::Error);
 }
 
 #ifdef VQAD_WITH_TORCH_CUDA

@@ -5,7 +5,8 @@
 // noise floor of each output, NaN-poisoned outputs fully written, sentinel gaps between
 // heads and past the end untouched, ragged grids (partial cubes in t, h and w), both
 // cube shapes, B > 1, H > 1, both backward modes, BF16 mode, and bitwise determinism
-// across two runs. Every failure prints the largest errors and the first bad index.
+// across two runs. Every failure prints the largest errors and the first bad index. The
+// buffers, the poison checks and the noise-floor tolerance are tests/support's.
 // C128 runs on the ATTN_QAT_TRAIN wgmma kernels with visit lists (tile_blocks 2), C64 on
 // the mma.sync kernels (tile_blocks 1); the hand-made-list tests pin the C128 forward's
 // odd visit counts, one-block cubes and single-block lists.
@@ -22,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/device_buffers.h"
+#include "tests/support/metrics.h"
 #include "vqad/core/error.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
@@ -36,39 +39,10 @@ namespace vr = vqad::vsa_ref;
 namespace aq = vqad::attn_qat_ref;
 constexpr int kD = kv::kVsaHeadDim;
 
-uint16_t bf16_bits(float x) {
-  const float r = aq::bf16_round(x);
-  uint32_t u;
-  std::memcpy(&u, &r, 4);
-  return static_cast<uint16_t>(u >> 16);
-}
-float bf16_value(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-template <typename T>
-struct DevBuf {
-  T* ptr = nullptr;
-  size_t n = 0;
-  DevBuf(size_t count, uint8_t fill) : n(count) {
-    VQAD_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)));
-    VQAD_CUDA_CHECK(cudaMemset(ptr, fill, std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() { cudaFree(ptr); }
-  void upload(const std::vector<T>& h) {
-    VQAD_CUDA_CHECK(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> h(n);
-    VQAD_CUDA_CHECK(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using vqad::test::bf16_bits;
+using vqad::test::bf16_value;
+using vqad::test::DeviceBlhd;
+using vqad::test::DeviceBuffer;
 
 struct Case {
   const char* name;
@@ -89,7 +63,7 @@ std::string describe(const Case& c) {
      << c.cube.t << "x" << c.cube.h << "x" << c.cube.w << " sparsity " << c.sparsity
      << (c.selection == vr::Selection::kTopP ? " top-p " : " top-k ") << c.top_p
      << (c.quantize ? " QAT" : " BF16") << (c.quant_p ? "" : " no-quant-p") << (c.quant_v ? "" : " no-quant-v")
-     << " bwd " << aq::bwd_mode_name(c.bwd) << (c.gate ? " gate" : " no-gate");
+     << " bwd " << aq::bwd_mode_name(c.bwd) << (c.gate ? " gate" : " no-gate") << " seed " << c.seed;
   return os.str();
 }
 
@@ -97,53 +71,12 @@ std::string describe(const Case& c) {
 // head row and kTail elements past the end, all poisoned with 0xFF bytes (NaN).
 constexpr int kGap = 8;
 constexpr int kTail = 64;
-struct RasterBuf {
-  int64_t B, L, H, sh, sl, sb;
-  DevBuf<uint16_t> buf;
-  RasterBuf(int64_t b, int64_t l, int64_t h)
-      : B(b), L(l), H(h), sh(kD + kGap), sl(h * (kD + kGap)), sb(l * h * (kD + kGap)),
-        buf(static_cast<size_t>(b * l * h * (kD + kGap) + kTail), 0xFF) {}
-  kv::RasterOut out() { return kv::RasterOut{buf.ptr, sb, sl, sh}; }
-  // Values [B, L, H, D] and whether every gap / tail element still holds the poison.
-  std::vector<float> values(bool* sentinels_ok) const {
-    const std::vector<uint16_t> h = buf.download();
-    std::vector<float> v(static_cast<size_t>(B * L * H * kD));
-    bool ok = true;
-    for (int64_t r = 0; r < B * L * H; ++r) {
-      for (int d = 0; d < kD; ++d) v[r * kD + d] = bf16_value(h[r * (kD + kGap) + d]);
-      for (int d = kD; d < kD + kGap; ++d) ok &= h[r * (kD + kGap) + d] == 0xFFFF;
-    }
-    for (int64_t i = B * L * H * (kD + kGap); i < static_cast<int64_t>(h.size()); ++i) ok &= h[i] == 0xFFFF;
-    *sentinels_ok = ok;
-    return v;
-  }
-  std::vector<uint16_t> bits() const { return buf.download(); }
-};
-
-struct Compare {
-  double rel = 0, floor = 0, max_abs = 0;
-  int64_t worst = -1, first_nan = -1;
-};
-// rel_l2(got, want); floor = rel_l2(bf16(want), want), the error of one bf16 rounding of
-// the (unrounded, fp32) reference output.
-Compare compare(const std::vector<float>& got, const std::vector<float>& want) {
-  Compare c;
-  double num = 0, den = 0, fl = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) {
-      if (c.first_nan < 0) c.first_nan = static_cast<int64_t>(i);
-      continue;
-    }
-    const double d = static_cast<double>(got[i]) - want[i];
-    const double r = static_cast<double>(aq::bf16_round(want[i])) - want[i];
-    num += d * d;
-    fl += r * r;
-    den += static_cast<double>(want[i]) * want[i];
-    if (std::fabs(d) > c.max_abs) c.max_abs = std::fabs(d), c.worst = static_cast<int64_t>(i);
-  }
-  c.rel = std::sqrt(num / std::max(den, 1e-30));
-  c.floor = std::sqrt(fl / std::max(den, 1e-30));
-  return c;
+DeviceBlhd raster_out(int64_t B, int64_t L, int64_t H) { return DeviceBlhd(B, L, H, kD, kGap, 0, kTail); }
+// Values [B, L, H, D] of a raster output; *ok &= every gap / tail element still holds the poison.
+std::vector<float> raster_values(const DeviceBlhd& t, bool* ok) {
+  const std::vector<uint16_t> raw = t.raw();
+  *ok = *ok && t.poison_damage(raw) == 0;
+  return t.values(raw);
 }
 
 std::string where(int64_t i, int64_t L, int64_t H) {
@@ -154,20 +87,15 @@ std::string where(int64_t i, int64_t L, int64_t H) {
   return os.str();
 }
 
-// The tolerance: the fine stage accumulates in another order (mma vs. the reference's
-// 8-lane dot products), uses the hardware exp2 and rounds P to bf16 per element, and
-// with NVFP4 P an element next to a rounding boundary can move by one E2M1 step; a
-// small multiple of the BF16 noise floor of the output bounds all of that on random
-// inputs (the dense ATTN_QAT_TRAIN tests allow ~1e-2, about 8x that floor).
-constexpr double kFloorMultiple = 8.0;
-
+// The tolerance: vqad::test::floor_tolerance, kBf16FloorMultiple x the BF16 noise floor
+// of the (unrounded, fp32) reference output, as for the dense ATTN_QAT_TRAIN kernels.
 void expect_close(const char* what, const std::vector<float>& got, const std::vector<float>& want, int64_t L,
                   int64_t H, const std::string& ctx) {
-  const Compare c = compare(got, want);
-  const double tol = kFloorMultiple * std::max(c.floor, 1e-4);
+  const vqad::test::Closeness c = vqad::test::closeness(got, want);
+  const double tol = vqad::test::floor_tolerance(c);
   std::printf("  %-6s rel_l2 %.3e  floor %.3e  tol %.3e  max_abs %.3e at %s\n", what, c.rel, c.floor, tol,
               c.max_abs, where(c.worst, L, H).c_str());
-  EXPECT_LT(c.first_nan, 0) << what << ": element " << where(c.first_nan, L, H)
+  EXPECT_LT(c.first_nonfinite, 0) << what << ": element " << where(c.first_nonfinite, L, H)
                             << " is not finite (unwritten or NaN) in " << ctx;
   EXPECT_LE(c.rel, tol) << what << ": rel_l2 " << c.rel << " > " << tol << " (floor " << c.floor << "), worst "
                         << where(c.worst, L, H) << " got " << (c.worst >= 0 ? got[c.worst] : 0.0f) << " want "
@@ -192,7 +120,7 @@ GpuResult run_gpu(const Case& cs, const vr::Tiling& t, const std::vector<float>&
                   const std::vector<float>& v, const std::vector<float>& gate, const std::vector<float>& d_o,
                   int64_t topk) {
   const int64_t B = cs.B, H = cs.H, L = t.num_tokens(), P = t.padded_len, nc = t.num_cubes;
-  DevBuf<int32_t> s2t(static_cast<size_t>(P), 0), t2s(static_cast<size_t>(L), 0), ct(static_cast<size_t>(nc), 0),
+  DeviceBuffer<int32_t> s2t(static_cast<size_t>(P), 0), t2s(static_cast<size_t>(L), 0), ct(static_cast<size_t>(nc), 0),
       bt(t.block_tokens.size(), 0);
   s2t.upload(i32(t.slot_to_token));
   t2s.upload(i32(t.token_to_slot));
@@ -208,10 +136,10 @@ GpuResult run_gpu(const Case& cs, const vr::Tiling& t, const std::vector<float>&
   c.tiling.blocks_per_cube = static_cast<int>(t.blocks_per_cube);
   c.tiling.padded_len = static_cast<int>(P);
   c.tiling.max_cube_tokens = *std::max_element(t.cube_tokens.begin(), t.cube_tokens.end());
-  c.tiling.slot_to_token = s2t.ptr;
-  c.tiling.token_to_slot = t2s.ptr;
-  c.tiling.cube_tokens = ct.ptr;
-  c.tiling.block_tokens = bt.ptr;
+  c.tiling.slot_to_token = s2t.get();
+  c.tiling.token_to_slot = t2s.get();
+  c.tiling.cube_tokens = ct.get();
+  c.tiling.block_tokens = bt.get();
   c.topk = static_cast<int>(topk);
   c.top_p_mode = cs.selection == vr::Selection::kTopP && cs.top_p < 1.0;
   c.top_p = static_cast<float>(cs.top_p);
@@ -226,24 +154,25 @@ GpuResult run_gpu(const Case& cs, const vr::Tiling& t, const std::vector<float>&
     return b;
   };
   const size_t n = static_cast<size_t>(B * L * H * kD);
-  DevBuf<uint16_t> dq_in(n, 0), dk_in(n, 0), dv_in(n, 0), dgate_in(cs.gate ? n : 0, 0), ddo(n, 0);
+  DeviceBuffer<uint16_t> dq_in(n, 0), dk_in(n, 0), dv_in(n, 0), dgate_in(cs.gate ? n : 0, 0), ddo(n, 0);
   dq_in.upload(upload_bits(q));
   dk_in.upload(upload_bits(k));
   dv_in.upload(upload_bits(v));
   if (cs.gate) dgate_in.upload(upload_bits(gate));
   ddo.upload(upload_bits(d_o));
   const int64_t sh = kD, sl = H * kD, sb = L * H * kD;
-  auto in = [&](const DevBuf<uint16_t>& d) { return kv::RasterIn{d.ptr, sb, sl, sh}; };
+  auto in = [&](const DeviceBuffer<uint16_t>& d) { return vqad::kernels::BlhdIn{d.get(), {sb, sl, sh, 1}}; };
 
   const size_t tiled = static_cast<size_t>(B * H * P * kD);
-  DevBuf<uint16_t> tq(tiled, 0xFF), tk(tiled, 0xFF), tv(tiled, 0xFF), ohp(tiled, 0xFF);
-  DevBuf<float> m(static_cast<size_t>(B * H * P), 0xFF), l(static_cast<size_t>(B * H * P), 0xFF);
-  DevBuf<int32_t> sel_index(static_cast<size_t>(B * H * nc * topk), 0xFF), sel_count(static_cast<size_t>(B * H * nc), 0xFF);
+  DeviceBuffer<uint16_t> tq(tiled, 0xFF), tk(tiled, 0xFF), tv(tiled, 0xFF), ohp(tiled, 0xFF);
+  DeviceBuffer<float> m(static_cast<size_t>(B * H * P), 0xFF), l(static_cast<size_t>(B * H * P), 0xFF);
+  DeviceBuffer<int32_t> sel_index(static_cast<size_t>(B * H * nc * topk), 0xFF), sel_count(static_cast<size_t>(B * H * nc), 0xFF);
   const size_t coarse = static_cast<size_t>(B * H * nc * kD);
-  DevBuf<float> q_c(coarse, 0xFF), k_c(coarse, 0xFF), v_c(coarse, 0xFF), out_c(coarse, 0xFF),
+  DeviceBuffer<float> q_c(coarse, 0xFF), k_c(coarse, 0xFF), v_c(coarse, 0xFF), out_c(coarse, 0xFF),
       probs(static_cast<size_t>(B * H * nc * nc), 0xFF);
-  RasterBuf o(B, L, H), gq(B, L, H), gk(B, L, H), gv(B, L, H), gg(B, L, H);
-  DevBuf<uint8_t> wsf(kv::vsa_forward_workspace_bytes(c), 0xFF), wsb(kv::vsa_backward_workspace_bytes(c), 0xFF);
+  DeviceBlhd o = raster_out(B, L, H), gq = raster_out(B, L, H), gk = raster_out(B, L, H), gv = raster_out(B, L, H),
+             gg = raster_out(B, L, H);
+  DeviceBuffer<uint8_t> wsf(kv::vsa_forward_workspace_bytes(c), 0xFF), wsb(kv::vsa_backward_workspace_bytes(c), 0xFF);
 
   kv::VsaForwardArgs fa;
   fa.q = in(dq_in);
@@ -251,44 +180,44 @@ GpuResult run_gpu(const Case& cs, const vr::Tiling& t, const std::vector<float>&
   fa.v = in(dv_in);
   if (cs.gate) fa.gate = in(dgate_in);
   fa.o = o.out();
-  fa.tiled_q = tq.ptr, fa.tiled_k = tk.ptr, fa.tiled_v = tv.ptr, fa.o_fine_hp = ohp.ptr;
-  fa.m = m.ptr, fa.l = l.ptr, fa.sel_index = sel_index.ptr, fa.sel_count = sel_count.ptr;
-  fa.q_c = q_c.ptr, fa.k_c = k_c.ptr, fa.v_c = v_c.ptr, fa.probs = probs.ptr, fa.out_c = out_c.ptr;
-  fa.workspace = wsf.ptr;
+  fa.tiled_q = tq.get(), fa.tiled_k = tk.get(), fa.tiled_v = tv.get(), fa.o_fine_hp = ohp.get();
+  fa.m = m.get(), fa.l = l.get(), fa.sel_index = sel_index.get(), fa.sel_count = sel_count.get();
+  fa.q_c = q_c.get(), fa.k_c = k_c.get(), fa.v_c = v_c.get(), fa.probs = probs.get(), fa.out_c = out_c.get();
+  fa.workspace = wsf.get();
   kv::vsa_forward(c, fa, nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
 
   kv::VsaBackwardArgs ba;
   if (cs.gate) ba.gate = in(dgate_in);
   ba.d_o = in(ddo);
-  ba.tiled_q = tq.ptr, ba.tiled_k = tk.ptr, ba.tiled_v = tv.ptr, ba.o_fine_hp = ohp.ptr;
-  ba.m = m.ptr, ba.l = l.ptr, ba.sel_index = sel_index.ptr, ba.sel_count = sel_count.ptr;
-  ba.q_c = q_c.ptr, ba.k_c = k_c.ptr, ba.v_c = v_c.ptr, ba.probs = probs.ptr, ba.out_c = out_c.ptr;
+  ba.tiled_q = tq.get(), ba.tiled_k = tk.get(), ba.tiled_v = tv.get(), ba.o_fine_hp = ohp.get();
+  ba.m = m.get(), ba.l = l.get(), ba.sel_index = sel_index.get(), ba.sel_count = sel_count.get();
+  ba.q_c = q_c.get(), ba.k_c = k_c.get(), ba.v_c = v_c.get(), ba.probs = probs.get(), ba.out_c = out_c.get();
   ba.dq = gq.out();
   ba.dk = gk.out();
   ba.dv = gv.out();
   if (cs.gate) ba.dgate = gg.out();
-  ba.workspace = wsb.ptr;
+  ba.workspace = wsb.get();
   kv::vsa_backward(c, ba, nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
 
   GpuResult r;
   bool ok = true, all = true;
-  r.o_v = o.values(&ok);
+  r.o_v = raster_values(o, &ok);
   all &= ok;
-  r.dq_v = gq.values(&ok);
+  r.dq_v = raster_values(gq, &ok);
   all &= ok;
-  r.dk_v = gk.values(&ok);
+  r.dk_v = raster_values(gk, &ok);
   all &= ok;
-  r.dv_v = gv.values(&ok);
+  r.dv_v = raster_values(gv, &ok);
   all &= ok;
   if (cs.gate) {
-    r.dgate_v = gg.values(&ok);
+    r.dgate_v = raster_values(gg, &ok);
     all &= ok;
-    r.dgate = gg.bits();
+    r.dgate = gg.raw();
   }
   r.sentinels_ok = all;
-  r.o = o.bits(), r.dq = gq.bits(), r.dk = gk.bits(), r.dv = gv.bits();
+  r.o = o.raw(), r.dq = gq.raw(), r.dk = gk.raw(), r.dv = gv.raw();
   r.q_c = q_c.download(), r.k_c = k_c.download(), r.v_c = v_c.download();
   r.probs = probs.download(), r.out_c = out_c.download();
   r.sel.batch = B, r.sel.heads = H, r.sel.num_q_cubes = nc, r.sel.max_kv = topk;
@@ -413,10 +342,10 @@ void run_case(const Case& cs) {
   bitwise("k_c", g.k_c, saved.coarse.k_c);
   bitwise("v_c", g.v_c, saved.coarse.v_c);
   {
-    const Compare cp = compare(g.probs, saved.coarse.probs);
+    const vqad::test::Closeness cp = vqad::test::closeness(g.probs, saved.coarse.probs);
     std::printf("  probs  rel_l2 %.3e\n", cp.rel);
     EXPECT_LE(cp.rel, 1e-5) << "coarse probabilities, " << ctx;
-    const Compare co = compare(g.out_c, saved.coarse.out_c);
+    const vqad::test::Closeness co = vqad::test::closeness(g.out_c, saved.coarse.out_c);
     std::printf("  out_c  rel_l2 %.3e (floor %.3e)\n", co.rel, co.floor);
     // Same summation order; probabilities within an ulp can flip a rare bf16 rounding.
     EXPECT_LE(co.rel, 1e-3) << "coarse out_c, " << ctx;
@@ -583,7 +512,7 @@ void run_fine_lists(bool quant_p, uint32_t seed) {
                    aq::contiguous_view(hp_ref.data(), L, H, kD), m_ref.data(), l_ref.data());
 
   // Device side: tiling tables, tiled (quantized) operands, the lists, the forward.
-  DevBuf<int32_t> s2t(static_cast<size_t>(P), 0), t2s(static_cast<size_t>(L), 0), ct(static_cast<size_t>(nc), 0),
+  DeviceBuffer<int32_t> s2t(static_cast<size_t>(P), 0), t2s(static_cast<size_t>(L), 0), ct(static_cast<size_t>(nc), 0),
       bt(t.block_tokens.size(), 0);
   s2t.upload(i32(t.slot_to_token));
   t2s.upload(i32(t.token_to_slot));
@@ -598,10 +527,10 @@ void run_fine_lists(bool quant_p, uint32_t seed) {
   c.tiling.blocks_per_cube = static_cast<int>(bpc);
   c.tiling.padded_len = static_cast<int>(P);
   c.tiling.max_cube_tokens = *std::max_element(t.cube_tokens.begin(), t.cube_tokens.end());
-  c.tiling.slot_to_token = s2t.ptr;
-  c.tiling.token_to_slot = t2s.ptr;
-  c.tiling.cube_tokens = ct.ptr;
-  c.tiling.block_tokens = bt.ptr;
+  c.tiling.slot_to_token = s2t.get();
+  c.tiling.token_to_slot = t2s.get();
+  c.tiling.cube_tokens = ct.get();
+  c.tiling.block_tokens = bt.get();
   c.topk = static_cast<int>(nc);
   c.quantize = true;
   c.quant_p = quant_p;
@@ -610,22 +539,23 @@ void run_fine_lists(bool quant_p, uint32_t seed) {
     for (size_t i = 0; i < x.size(); ++i) b[i] = bf16_bits(x[i]);
     return b;
   };
-  DevBuf<uint16_t> rq(n, 0), rk(n, 0), rv(n, 0);
+  DeviceBuffer<uint16_t> rq(n, 0), rk(n, 0), rv(n, 0);
   rq.upload(bits(q));
   rk.upload(bits(k));
   rv.upload(bits(v));
   const int64_t sh = kD, sl = H * kD, sb = L * H * kD;
   const size_t tiled = static_cast<size_t>(B * H * P * kD);
-  DevBuf<uint16_t> tq(tiled, 0xFF), tk(tiled, 0xFF), tv(tiled, 0xFF), o(tiled, 0xFF), ohp(tiled, 0xFF);
-  DevBuf<float> m(static_cast<size_t>(B * H * P), 0xFF), l(static_cast<size_t>(B * H * P), 0xFF);
-  DevBuf<int32_t> si(sel.index.size(), 0), sc(sel.count.size(), 0);
+  DeviceBuffer<uint16_t> tq(tiled, 0xFF), tk(tiled, 0xFF), tv(tiled, 0xFF), o(tiled, 0xFF), ohp(tiled, 0xFF);
+  DeviceBuffer<float> m(static_cast<size_t>(B * H * P), 0xFF), l(static_cast<size_t>(B * H * P), 0xFF);
+  DeviceBuffer<int32_t> si(sel.index.size(), 0), sc(sel.count.size(), 0);
   si.upload(sel.index);
   sc.upload(sel.count);
-  DevBuf<uint8_t> scratch(std::max<size_t>(kv::fine_forward_scratch_bytes(c), 256), 0xFF);
-  kv::launch_tile(c, kv::RasterIn{rq.ptr, sb, sl, sh}, tq.ptr, true, nullptr);
-  kv::launch_tile(c, kv::RasterIn{rk.ptr, sb, sl, sh}, tk.ptr, true, nullptr);
-  kv::launch_tile(c, kv::RasterIn{rv.ptr, sb, sl, sh}, tv.ptr, true, nullptr);
-  kv::launch_fine_forward(c, tq.ptr, tk.ptr, tv.ptr, si.ptr, sc.ptr, o.ptr, ohp.ptr, m.ptr, l.ptr, scratch.ptr,
+  DeviceBuffer<uint8_t> scratch(std::max<size_t>(kv::fine_forward_scratch_bytes(c), 256), 0xFF);
+  const vqad::kernels::BlhdStrides rs{sb, sl, sh, 1};
+  kv::launch_tile(c, {rq.get(), rs}, tq.get(), true, nullptr);
+  kv::launch_tile(c, {rk.get(), rs}, tk.get(), true, nullptr);
+  kv::launch_tile(c, {rv.get(), rs}, tv.get(), true, nullptr);
+  kv::launch_fine_forward(c, tq.get(), tk.get(), tv.get(), si.get(), sc.get(), o.get(), ohp.get(), m.get(), l.get(), scratch.get(),
                           nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<uint16_t> o_t = o.download(), hp_t = ohp.download();

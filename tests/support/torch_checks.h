@@ -2,7 +2,8 @@
 // a reference, the BF16 noise floor of a reference (the error of one bf16 rounding of it,
 // which tolerances are stated as multiples of), finiteness, NaN-poisoning of the CUDA
 // caching allocator (so a kernel that leaves output elements unwritten shows NaN instead of
-// stale zeros), and the seed of each random case in the failure message.
+// stale zeros), and the seed of each random case in the failure message. The host-vector
+// forms (rel_l2 of std::vector<float>, the floor, the tolerance multiple) are metrics.h's.
 #pragma once
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -11,6 +12,8 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "tests/support/metrics.h"
 
 namespace vqad::test {
 
@@ -23,18 +26,6 @@ inline double rel_l2(const torch::Tensor& got, const torch::Tensor& want) {
   if (g.sizes() != w.sizes()) return INFINITY;
   const double den = w.norm().item<double>(), num = (g - w).norm().item<double>();
   return den > 0 ? num / den : num;
-}
-
-inline double rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
-  EXPECT_EQ(got.size(), want.size());
-  if (got.size() != want.size()) return INFINITY;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double d = double(got[i]) - double(want[i]);
-    num += d * d;
-    den += double(want[i]) * double(want[i]);
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 // rel_l2(bf16(want), want): the error one BF16 rounding of the reference makes. A result

@@ -4,11 +4,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include <stdexcept>
 
 #include "vqad/kernels/common/cublaslt.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
+#include "vqad/kernels/common/launch.h"
 
 namespace vqad::kernels::fp4 {
 namespace {
@@ -132,8 +132,8 @@ bool fp4_routes_available(int device, std::string* why) {
 
 void launch_quantize_e2m1x2(const void* x, bool x_is_bf16, int64_t rows, int64_t cols, const float* s_enc,
                             uint8_t* codes, uint8_t* scales, cudaStream_t stream) {
-  if (cols % 16 != 0)
-    throw std::runtime_error("nvfp4 FP4 quantize: cols = " + std::to_string(cols) + " is not a multiple of 16");
+  VQAD_LAUNCH_CHECK(cols % 16 == 0, "nvfp4 FP4 quantize", "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols),
+                    "expected cols a multiple of 16, found ", cols);
   const int64_t blocks = rows * cols / 16;
   if (blocks == 0) return;
   if (x_is_bf16) {
@@ -161,12 +161,12 @@ void launch_swizzle_scales(const uint8_t* scales, int64_t rows, int64_t scale_co
 void gemm_fp4_nt(const uint8_t* a, const uint8_t* a_sf, const uint8_t* b, const uint8_t* b_sf, void* d, int64_t m,
                  int64_t n, int64_t k, const float* alpha_beta, void* workspace, size_t workspace_bytes,
                  cudaStream_t stream, Fp4GemmOut out) {
-  if (k % 32 != 0 || m <= 0 || n <= 0)
-    throw std::runtime_error("nvfp4 FP4 GEMM: needs M, N > 0 and K % 32 == 0, got M=" + std::to_string(m) +
-                             " N=" + std::to_string(n) + " K=" + std::to_string(k));
-  if (workspace_bytes < kFp4GemmWorkspaceBytes)
-    throw std::runtime_error("nvfp4 FP4 GEMM: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
-                             std::to_string(kFp4GemmWorkspaceBytes));
+  constexpr const char* kOp = "nvfp4 FP4 GEMM";
+  const auto shape = [&] { return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k); };
+  VQAD_LAUNCH_CHECK(k % 32 == 0 && m > 0 && n > 0, kOp, shape(), "unsupported shape: expected M, N > 0 and K a "
+                    "multiple of 32");
+  VQAD_LAUNCH_CHECK(workspace_bytes >= kFp4GemmWorkspaceBytes, kOp, shape(), "expected a workspace of ",
+                    kFp4GemmWorkspaceBytes, " bytes, found ", workspace_bytes);
   cublasLtHandle_t handle = cublaslt_handle();
   LtDescs desc;
   LT_CHECK_GEMM(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -196,10 +196,8 @@ void gemm_fp4_nt(const uint8_t* a, const uint8_t* a_sf, const uint8_t* b, const 
   int found = 0;
   LT_CHECK_GEMM(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
                                                    &heuristic, &found));
-  if (found == 0)
-    throw std::runtime_error("nvfp4 FP4 GEMM: cuBLASLt found no block-scaled FP4 algorithm for M=" +
-                             std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k) +
-                             (out == Fp4GemmOut::kF32 ? " (fp32 output)" : " (bf16 output)"));
+  VQAD_LAUNCH_CHECK(found != 0, kOp, shape(), "expected a cuBLASLt block-scaled FP4 algorithm for ",
+                    out == Fp4GemmOut::kF32 ? "fp32" : "bf16", " output, found none");
   LT_CHECK_GEMM(cublasLtMatmul(handle, desc.op, alpha_beta, b, desc.a, a, desc.b, alpha_beta + 1, d, desc.d, d,
                                    desc.d, &heuristic.algo, workspace, ws, stream));
 }

@@ -79,20 +79,16 @@ torch::Tensor as_kernel_operand(const torch::Tensor& t) {
   return r;
 }
 
-ka::BlhdStrides blhd(const torch::Tensor& t) {
-  return ka::BlhdStrides{t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+// BLHD views of the launch convention (kernels/common/launch.h).
+kb::BlhdStrides blhd_strides(const torch::Tensor& t) {
+  return kb::BlhdStrides{t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
+kb::BlhdIn blhd_in(const torch::Tensor& t) { return kb::BlhdIn{t.data_ptr(), blhd_strides(t)}; }
+kb::BlhdOut blhd_out(const torch::Tensor& t) { return kb::BlhdOut{t.data_ptr(), blhd_strides(t)}; }
 
-kb::AttnQatBwdTensor bwd_in(const torch::Tensor& t) {
-  return kb::AttnQatBwdTensor{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
-}
-
-kb::AttnQatBwdOutTensor bwd_out(torch::Tensor& t) {
-  return kb::AttnQatBwdOutTensor{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
-}
-
-// The launchers throw std::runtime_error or vqad::Error; both become a vqad::Error
-// that also names the torch-level device and shapes.
+// The launchers' checks throw vqad::Error (op, tensor, shape, device), passed on as is;
+// a CUDA failure (std::runtime_error) becomes a vqad::Error that also names the
+// torch-level device and shapes.
 template <class Fn>
 void run_launcher(const char* what, const std::string& context, Fn&& fn) {
   try {
@@ -125,12 +121,9 @@ AttnQatCudaForward attention_qat_cuda_forward(const torch::Tensor& q, const torc
   r.k_hat = torch::empty({B, Lkv, H, D}, bf16);
   r.v_hat = torch::empty({B, Lkv, H, D}, bf16);
   ka::FakeQuantQkvParams fq;
-  fq.q = qb.data_ptr();
-  fq.k = kb16.data_ptr();
-  fq.v = vb.data_ptr();
-  fq.q_stride = blhd(qb);
-  fq.k_stride = blhd(kb16);
-  fq.v_stride = blhd(vb);
+  fq.q = blhd_in(qb);
+  fq.k = blhd_in(kb16);
+  fq.v = blhd_in(vb);
   fq.q_out = r.q_hat.data_ptr();
   fq.k_out = r.k_hat.data_ptr();
   fq.v_out = r.v_hat.data_ptr();
@@ -150,16 +143,11 @@ AttnQatCudaForward attention_qat_cuda_forward(const torch::Tensor& q, const torc
   r.m = torch::empty({B, H, Lq}, f32);
   r.l = torch::empty({B, H, Lq}, f32);
   ka::AttnQatFwdParams fp;
-  fp.q = r.q_hat.data_ptr();
-  fp.k = r.k_hat.data_ptr();
-  fp.v = r.v_hat.data_ptr();
-  fp.q_stride = blhd(r.q_hat);
-  fp.k_stride = blhd(r.k_hat);
-  fp.v_stride = blhd(r.v_hat);
-  fp.o = o.data_ptr();
-  fp.o_hp = r.o_hp.data_ptr();
-  fp.o_stride = blhd(o);
-  fp.o_hp_stride = blhd(r.o_hp);
+  fp.q = blhd_in(r.q_hat);
+  fp.k = blhd_in(r.k_hat);
+  fp.v = blhd_in(r.v_hat);
+  fp.o = blhd_out(o);
+  fp.o_hp = blhd_out(r.o_hp);
   fp.m = r.m.data_ptr<float>();
   fp.l = r.l.data_ptr<float>();
   fp.batch = static_cast<int>(B);
@@ -218,16 +206,16 @@ AttnQatCudaGrads attention_qat_cuda_backward(const torch::Tensor& d_o, const tor
              : opts.bwd_mode == AttnQatBwdMode::kFastVideo ? kb::AttnQatBwdPMode::kFastVideo
                                                            : kb::AttnQatBwdPMode::kConsistent;
   p.impl = kb::AttnQatBwdImpl::kAuto;
-  p.q_hat = bwd_in(q_hat);
-  p.k_hat = bwd_in(k_hat);
-  p.v_hat = bwd_in(v_hat);
-  p.d_out = bwd_in(dob);
-  p.o_hp = bwd_in(o_hp);
+  p.q_hat = blhd_in(q_hat);
+  p.k_hat = blhd_in(k_hat);
+  p.v_hat = blhd_in(v_hat);
+  p.d_out = blhd_in(dob);
+  p.o_hp = blhd_in(o_hp);
   p.m = m.data_ptr<float>();
   p.l = l.data_ptr<float>();
-  p.d_q = bwd_out(dq);
-  p.d_k = bwd_out(dk);
-  p.d_v = bwd_out(dv);
+  p.d_q = blhd_out(dq);
+  p.d_k = blhd_out(dk);
+  p.d_v = blhd_out(dv);
   // From the caching allocator, so the scratch is stream-ordered like every other
   // tensor of the step (blocks are at least 512-byte aligned).
   const int64_t ws_bytes = static_cast<int64_t>(kb::attn_qat_bwd_workspace_bytes(p));

@@ -58,13 +58,18 @@ torch::Tensor operand(const torch::Tensor& t) {
   return r;
 }
 
-kv::RasterIn raster_in(const torch::Tensor& t) {
-  if (!t.defined()) return kv::RasterIn{};
-  return kv::RasterIn{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+// BLHD views of the launch convention (kernels/common/launch.h); an undefined tensor is
+// a view without data.
+vqad::kernels::BlhdStrides blhd_strides(const torch::Tensor& t) {
+  return vqad::kernels::BlhdStrides{t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
-kv::RasterOut raster_out(const torch::Tensor& t) {
-  if (!t.defined()) return kv::RasterOut{};
-  return kv::RasterOut{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+vqad::kernels::BlhdIn raster_in(const torch::Tensor& t) {
+  if (!t.defined()) return vqad::kernels::BlhdIn{};
+  return vqad::kernels::BlhdIn{t.data_ptr(), blhd_strides(t)};
+}
+vqad::kernels::BlhdOut raster_out(const torch::Tensor& t) {
+  if (!t.defined()) return vqad::kernels::BlhdOut{};
+  return vqad::kernels::BlhdOut{t.data_ptr(), blhd_strides(t)};
 }
 
 void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& gate,

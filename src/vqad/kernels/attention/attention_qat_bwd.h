@@ -14,18 +14,21 @@
 //      counter per query block), and a last pass adds the partial sums in order
 //      and writes dQ (5 GEMMs); the CTAs of a last partial wave are split over
 //      query ranges (fp32 partial dK / dV added in order by a combine pass);
-//   3. other archs (mma.sync), or the recompute variant of the wgmma kernels: a
-//      separate dQ pass per block of 128 queries recomputes S and dP (7 GEMMs).
+//   3. other archs, or impl = kMmaSync (mma.sync): a separate dQ pass per block of
+//      128 queries recomputes S and dP (7 GEMMs); the visit-list form of the wgmma
+//      kernels (the VSA fine stage) has the same recompute structure.
 // The P groups of the dV path are the 16-key groups of each query row starting
 // at key 0 (a tail group uses only its valid keys), independent of any BLOCK_N.
 //
-// Layout: BLHD with element strides for b, l, h; the head dim (D = 128) is
-// contiguous; every row start must be 16-byte aligned.
+// Layout: BLHD views (kernels/common/launch.h) with element strides for b, l, h; the
+// head dim (D = 128) is contiguous; every row start must be 16-byte aligned.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+
+#include "vqad/kernels/common/launch.h"
 
 namespace vqad::kernels {
 
@@ -42,27 +45,18 @@ const char* attn_qat_bwd_p_mode_name(AttnQatBwdPMode m);
 enum class AttnQatBwdImpl { kAuto, kMmaSync, kWgmma };
 const char* attn_qat_bwd_impl_name(AttnQatBwdImpl i);
 
-struct AttnQatBwdTensor {  // one BLHD BF16 tensor (bf16 stored as uint16_t bits)
-  const void* data = nullptr;
-  int64_t stride_b = 0, stride_l = 0, stride_h = 0;  // elements
-};
-struct AttnQatBwdOutTensor {
-  void* data = nullptr;
-  int64_t stride_b = 0, stride_l = 0, stride_h = 0;  // elements
-};
-
 struct AttnQatBwdParams {
   int batch = 0, heads = 0, len_q = 0, len_kv = 0, head_dim = 128;
   float softmax_scale = 0.0f;  // 0 -> 1/sqrt(head_dim)
   AttnQatBwdPMode p_mode = AttnQatBwdPMode::kConsistent;
   AttnQatBwdImpl impl = AttnQatBwdImpl::kAuto;
 
-  AttnQatBwdTensor q_hat, k_hat, v_hat;  // [B, Lq|Lkv, H, D]
-  AttnQatBwdTensor d_out, o_hp;          // [B, Lq, H, D]
-  const float* m = nullptr;              // [B, H, Lq]
-  const float* l = nullptr;              // [B, H, Lq]
+  BlhdIn q_hat, k_hat, v_hat;  // BF16 [B, Lq|Lkv, H, D]
+  BlhdIn d_out, o_hp;          // BF16 [B, Lq, H, D]
+  const float* m = nullptr;    // [B, H, Lq]
+  const float* l = nullptr;    // [B, H, Lq]
 
-  AttnQatBwdOutTensor d_q, d_k, d_v;     // BF16, [B, L*, H, D]
+  BlhdOut d_q, d_k, d_v;       // BF16 [B, L*, H, D]
 
   // Scratch of attn_qat_bwd_workspace_bytes(*this) bytes, 16-byte aligned,
   // owned by the caller (the torch op hands in an allocator block): the row
@@ -76,7 +70,8 @@ struct AttnQatBwdParams {
 size_t attn_qat_bwd_workspace_bytes(const AttnQatBwdParams& p);
 
 // Throws vqad::Error on invalid shapes/strides/alignment or an unsupported
-// device (names device, arch and shape); CUDA failures throw with the op name.
+// device (the launch convention: names the op, the tensor, the shape and the device
+// with its arch); CUDA failures throw std::runtime_error with the op name.
 void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream);
 
 // Tile sizes of the kernels (for benchmarks and docs).

@@ -4,7 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include <stdexcept>
+#include <cstdint>
 #include <string>
 
 #include "vqad/kernels/attention/attention_qat.h"
@@ -115,38 +115,34 @@ __global__ void fake_quant_qkv_kernel(Job j0, Job j1, Job j2, int heads, int hea
   }
 }
 
+constexpr const char* kOp = "fake_quant_qkv";
+
 std::string shape_str(const FakeQuantQkvParams& p) {
-  return "B=" + std::to_string(p.batch) + " Lq=" + std::to_string(p.len_q) +
-         " Lkv=" + std::to_string(p.len_kv) + " H=" + std::to_string(p.heads) +
-         " D=" + std::to_string(p.head_dim);
+  return attention_shape_str(p.batch, p.heads, p.len_q, p.len_kv, p.head_dim);
 }
 
-void check_operand(const char* name, const void* ptr, const void* out, const BlhdStrides& s,
+void check_operand(const char* name, const char* out_name, const BlhdIn& in, const void* out,
                    const FakeQuantQkvParams& p) {
-  const std::string where = std::string("fake_quant_qkv: ") + name + " (" + shape_str(p) + ")";
-  if (ptr == nullptr || out == nullptr) throw std::runtime_error(where + ": null input or output pointer");
-  if (s.d != 1) throw std::runtime_error(where + ": head-dim stride must be 1, got " + std::to_string(s.d));
-  if (s.b % 8 != 0 || s.l % 8 != 0 || s.h % 8 != 0)
-    throw std::runtime_error(where + ": strides (b=" + std::to_string(s.b) + ", l=" + std::to_string(s.l) +
-                             ", h=" + std::to_string(s.h) + ") must be multiples of 8 elements");
-  if ((reinterpret_cast<uintptr_t>(ptr) | reinterpret_cast<uintptr_t>(out)) % 16 != 0)
-    throw std::runtime_error(where + ": input and output must be 16-byte aligned");
+  const auto shape = [&] { return shape_str(p); };
+  check_blhd(kOp, name, in, shape);
+  VQAD_LAUNCH_CHECK(out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0, kOp, shape(), "tensor ",
+                    out_name, ": expected a 16-byte aligned device pointer, found address ", out);
 }
 
 }  // namespace
 
 void launch_fake_quant_qkv(const FakeQuantQkvParams& p, cudaStream_t stream) {
-  if (p.batch <= 0 || p.heads <= 0 || p.len_q <= 0 || p.len_kv <= 0 || p.head_dim <= 0 ||
-      p.head_dim % 16 != 0)
-    throw std::runtime_error("fake_quant_qkv: unsupported shape " + shape_str(p) +
-                             " (all sizes positive, D a multiple of 16)");
-  check_operand("q", p.q, p.q_out, p.q_stride, p);
-  check_operand("k", p.k, p.k_out, p.k_stride, p);
-  check_operand("v", p.v, p.v_out, p.v_stride, p);
+  VQAD_LAUNCH_CHECK(p.batch > 0 && p.heads > 0 && p.len_q > 0 && p.len_kv > 0 && p.head_dim > 0 &&
+                        p.head_dim % 16 == 0,
+                    kOp, shape_str(p), "unsupported shape: expected positive sizes and a head dim that is a "
+                    "multiple of 16");
+  check_operand("q", "q_out", p.q, p.q_out, p);
+  check_operand("k", "k_out", p.k, p.k_out, p);
+  check_operand("v", "v_out", p.v, p.v_out, p);
   using bf = __nv_bfloat16;
-  Job jq{static_cast<const bf*>(p.q), static_cast<bf*>(p.q_out), p.q_stride, p.len_q, p.quant_qk};
-  Job jk{static_cast<const bf*>(p.k), static_cast<bf*>(p.k_out), p.k_stride, p.len_kv, p.quant_qk};
-  Job jv{static_cast<const bf*>(p.v), static_cast<bf*>(p.v_out), p.v_stride, p.len_kv, p.quant_v};
+  Job jq{static_cast<const bf*>(p.q.data), static_cast<bf*>(p.q_out), p.q.stride, p.len_q, p.quant_qk};
+  Job jk{static_cast<const bf*>(p.k.data), static_cast<bf*>(p.k_out), p.k.stride, p.len_kv, p.quant_qk};
+  Job jv{static_cast<const bf*>(p.v.data), static_cast<bf*>(p.v_out), p.v.stride, p.len_kv, p.quant_v};
   const int64_t max_blocks =
       static_cast<int64_t>(p.batch) * (p.len_q > p.len_kv ? p.len_q : p.len_kv) * p.heads * (p.head_dim / 16);
   const int threads = 256;

@@ -5,6 +5,7 @@
 
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
+#include "vqad/kernels/common/launch.h"
 
 namespace vqad::kernels {
 
@@ -29,6 +30,23 @@ DeviceInfo device_info(int device) {
   d.smem_optin_bytes = p.sharedMemPerBlockOptin;
   d.name = p.name;
   return d;
+}
+
+std::string current_device_str() {
+  try {
+    int device = -1;
+    cudaError_t err = cudaGetDevice(&device);
+    cudaDeviceProp prop{};
+    if (err == cudaSuccess) err = cudaGetDeviceProperties(&prop, device);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::string("no CUDA device: ") + cudaGetErrorString(err);
+    }
+    return "device " + std::to_string(device) + " " + prop.name + " (sm_" + std::to_string(prop.major) +
+           std::to_string(prop.minor) + ")";
+  } catch (...) {  // std::bad_alloc while building the text
+    return "device unknown";
+  }
 }
 
 bool kernel_family_available(const char* family, const void* probe, int device, std::string* why) {

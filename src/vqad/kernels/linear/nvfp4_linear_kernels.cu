@@ -5,12 +5,12 @@
 
 #include <algorithm>
 #include <cstring>
-#include <stdexcept>
 #include <string>
 
 #include "vqad/kernels/common/cublaslt.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
+#include "vqad/kernels/common/launch.h"
 #include "vqad/kernels/linear/nvfp4_linear_kernels.h"
 
 namespace vqad::kernels::linear {
@@ -193,11 +193,16 @@ int grid_for(int64_t work_items) {
   return int(std::max<int64_t>(1, std::min<int64_t>(blocks, 8192)));
 }
 
-void check_aligned(const void* p, size_t bytes, const char* what) {
-  if (reinterpret_cast<uintptr_t>(p) % bytes != 0) {
-    throw std::runtime_error(std::string("nvfp4 linear: ") + what + " is not " + std::to_string(bytes) +
-                             "-byte aligned");
-  }
+void check_aligned(const char* op, const std::string& shape, const void* p, size_t bytes, const char* what) {
+  VQAD_LAUNCH_CHECK(reinterpret_cast<uintptr_t>(p) % bytes == 0, op, shape, what, ": expected a ", bytes,
+                    "-byte aligned address, found ", p);
+}
+
+std::string matrix_str(int64_t rows, int64_t cols) {
+  return "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols);
+}
+std::string gemm_str(int64_t m, int64_t n, int64_t k) {
+  return "M=" + std::to_string(m) + " N=" + std::to_string(n) + " K=" + std::to_string(k);
 }
 
 }  // namespace
@@ -229,13 +234,12 @@ void launch_linear_scales(const float* amax_x, float act_s_enc, const float* ama
 
 void launch_unit_operand(const void* x, ElemType type, int64_t rows, int64_t cols, const float* s_enc,
                          void* out_bf16, cudaStream_t stream) {
-  if (cols % 16 != 0) {
-    throw std::runtime_error("nvfp4 linear: unit operand needs cols % 16 == 0, got cols=" + std::to_string(cols));
-  }
+  constexpr const char* kOp = "nvfp4 linear unit operand";
+  VQAD_LAUNCH_CHECK(cols % 16 == 0, kOp, matrix_str(rows, cols), "expected cols a multiple of 16, found ", cols);
   const int64_t half_blocks = rows * cols / 8;
   if (half_blocks == 0) return;
-  check_aligned(x, 16, "operand input");
-  check_aligned(out_bf16, 16, "operand output");
+  check_aligned(kOp, matrix_str(rows, cols), x, 16, "operand input");
+  check_aligned(kOp, matrix_str(rows, cols), out_bf16, 16, "operand output");
   const int grid = grid_for(half_blocks);
   if (type == ElemType::kBF16) {
     unit_operand_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
@@ -272,15 +276,13 @@ void gemm_bf16_nt(const void* a, const void* b, const void* bias, void* d, int64
   if (m == 0 || n == 0) return;
   const bool stage = bias != nullptr && !bias_epilogue_rounds_once(n, bias, d);
   const size_t need = gemm_workspace_bytes(m, n, bias, d);
-  if (workspace_bytes < need) {
-    throw std::runtime_error("nvfp4 linear: GEMM M=" + std::to_string(m) + " N=" + std::to_string(n) +
-                             " needs a workspace of " + std::to_string(need) + " bytes (gemm_workspace_bytes), got " +
-                             std::to_string(workspace_bytes));
-  }
+  constexpr const char* kOp = "nvfp4 linear GEMM";
+  VQAD_LAUNCH_CHECK(workspace_bytes >= need, kOp, gemm_str(m, n, k), "expected a workspace of ", need,
+                    " bytes (gemm_workspace_bytes), found ", workspace_bytes);
   void* d_gemm = d;
   size_t lt_workspace_bytes = workspace_bytes;
   if (stage) {
-    check_aligned(workspace, 256, "GEMM workspace");
+    check_aligned(kOp, gemm_str(m, n, k), workspace, 256, "GEMM workspace");
     d_gemm = static_cast<char*>(workspace) + kGemmWorkspaceBytes;
     lt_workspace_bytes = kGemmWorkspaceBytes;
   }
@@ -316,10 +318,7 @@ void gemm_bf16_nt(const void* a, const void* b, const void* bias, void* d, int64
   int found = 0;
   LT_CHECK_GEMM(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
                                                &heuristic, &found));
-  if (found == 0) {
-    throw std::runtime_error("nvfp4 linear: cuBLASLt found no BF16 GEMM algorithm for M=" + std::to_string(m) +
-                             " N=" + std::to_string(n) + " K=" + std::to_string(k));
-  }
+  VQAD_LAUNCH_CHECK(found != 0, kOp, gemm_str(m, n, k), "expected a cuBLASLt BF16 GEMM algorithm, found none");
   LT_CHECK_GEMM(cublasLtMatmul(handle, desc.op, alpha_beta, b, desc.a, a, desc.b, alpha_beta + 1, d_gemm, desc.d,
                                d_gemm, desc.d, &heuristic.algo, workspace, lt_workspace_bytes, stream));
   if (stage) {

@@ -36,19 +36,13 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kBlk = 16;  // elements per scale block
 // 16-element blocks per thread and loop iteration (measured on an H200 at the
-// Wan shapes: fake-quant is fastest with 4, quantize+pack with 1).
-#ifndef VQAD_NVFP4_FQ_BLOCKS
-#define VQAD_NVFP4_FQ_BLOCKS 4
-#endif
-#ifndef VQAD_NVFP4_Q_BLOCKS
-#define VQAD_NVFP4_Q_BLOCKS 1
-#endif
-constexpr int kFqBlocks = VQAD_NVFP4_FQ_BLOCKS;  // for BF16 inputs; FP32 blocks are twice the bytes
+// Wan shapes: fake-quant is fastest with 4, quantize+pack with 1; docs/performance.md).
+constexpr int kFqBlocks = 4;  // for BF16 inputs; FP32 blocks are twice the bytes
 template <typename TIn>
 __host__ __device__ constexpr int fq_blocks() {
-  return sizeof(TIn) == 2 || kFqBlocks == 1 ? kFqBlocks : kFqBlocks / 2;
+  return sizeof(TIn) == 2 ? kFqBlocks : kFqBlocks / 2;
 }
-constexpr int kQBlocks = VQAD_NVFP4_Q_BLOCKS;
+constexpr int kQBlocks = 1;
 constexpr int kAmaxBlocks = 4;
 
 // Leading dims of a view after dropping size-1 dims and merging dims that are
@@ -218,7 +212,7 @@ __device__ __forceinline__ float resolve_scale(const EncodeScale& s) {
 // --- the block scale ------------------------------------------------------------------------
 // E4M3 byte of v >= 0 (+inf included; NaN is handled by the caller).
 __device__ __forceinline__ uint32_t e4m3_encode_fast(float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(VQAD_NVFP4_NO_HW_E4M3)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 #else
   return e4m3_encode_nonneg(v);

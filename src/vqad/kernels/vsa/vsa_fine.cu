@@ -710,15 +710,18 @@ dim3 block_grid(const VsaConfig& c) {
 }
 
 template <typename Kernel>
-void set_smem(Kernel kernel, size_t bytes, const VsaConfig& c, const char* what) {
+void set_smem(Kernel kernel, size_t bytes, const VsaConfig& c, const char* op) {
   int device = 0;
   VQAD_CUDA_CHECK(cudaGetDevice(&device));
   int optin = 0;
   VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  VQAD_CHECK(bytes <= static_cast<size_t>(optin), "vsa ", what, ": needs ", bytes,
-             " bytes of shared memory per block, the device allows ", optin, " (", detail::shape_str(c), ")");
+  VQAD_LAUNCH_CHECK(bytes <= static_cast<size_t>(optin), op, detail::shape_str(c), "expected ", bytes,
+                    " bytes of shared memory per block, found ", optin, " on the device");
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
+
+constexpr const char* kFineForwardOp = "vsa fine forward";
+constexpr const char* kFineBackwardOp = "vsa fine backward (wgmma)";
 
 }  // namespace
 
@@ -732,38 +735,40 @@ size_t fine_forward_scratch_bytes(const VsaConfig& c) {
 void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
                          const int32_t* sel_index, const int32_t* sel_count, void* o_tiled, void* o_hp_tiled,
                          float* m, float* l, void* scratch, cudaStream_t stream) {
-  VQAD_CHECK(c.head_dim == kD, "vsa fine forward: head_dim must be ", kD, " (", detail::shape_str(c), ")");
-  VQAD_CHECK(tiled_q && tiled_k && tiled_v && sel_index && sel_count && o_tiled && o_hp_tiled && m && l,
-             "vsa fine forward: null buffer (", detail::shape_str(c), ")");
+  VQAD_LAUNCH_CHECK(c.head_dim == kD, kFineForwardOp, detail::shape_str(c), "expected head dim ", kD, ", found ",
+                    c.head_dim);
+  VQAD_LAUNCH_CHECK(tiled_q && tiled_k && tiled_v && sel_index && sel_count && o_tiled && o_hp_tiled && m && l,
+                    kFineForwardOp, detail::shape_str(c), "expected every operand and output buffer, found a null one");
   const bool qp = c.quantize && c.quant_p;
   if (vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs) {
-    VQAD_CHECK(scratch != nullptr && reinterpret_cast<uintptr_t>(scratch) % 256 == 0,
-               "vsa fine forward: a 256-byte aligned scratch of ", fine_forward_scratch_bytes(c),
-               " bytes is required (", detail::shape_str(c), ")");
-    VQAD_CHECK(static_cast<int64_t>(c.tiling.num_cubes) * c.tiling.blocks_per_cube <=
-                   static_cast<int64_t>(attention::kAttnQatVisitMaxBlock) + 1,
-               "vsa fine forward: more physical blocks than a visit entry holds (", detail::shape_str(c), ")");
+    VQAD_LAUNCH_CHECK(scratch != nullptr && reinterpret_cast<uintptr_t>(scratch) % 256 == 0, kFineForwardOp,
+                      detail::shape_str(c), "expected a 256-byte aligned scratch of ", fine_forward_scratch_bytes(c),
+                      " bytes, found address ", scratch);
+    VQAD_LAUNCH_CHECK(static_cast<int64_t>(c.tiling.num_cubes) * c.tiling.blocks_per_cube <=
+                          static_cast<int64_t>(attention::kAttnQatVisitMaxBlock) + 1,
+                      kFineForwardOp, detail::shape_str(c), "expected at most ",
+                      attention::kAttnQatVisitMaxBlock + 1, " physical blocks (what a visit entry holds), found ",
+                      static_cast<int64_t>(c.tiling.num_cubes) * c.tiling.blocks_per_cube);
     const int64_t rows = static_cast<int64_t>(c.batch) * c.heads * c.tiling.num_cubes;
     const int stride = c.topk * c.tiling.blocks_per_cube;
     int32_t* entries = static_cast<int32_t*>(scratch);
     int32_t* counts = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(scratch) +
                                                  (static_cast<size_t>(rows) * stride * 4 + 255) / 256 * 256);
-    VQAD_CHECK((rows + 7) / 8 <= 0x7fffffff, "vsa fine forward: too many rows (", detail::shape_str(c), ")");
+    VQAD_LAUNCH_CHECK((rows + 7) / 8 <= 0x7fffffff, kFineForwardOp, detail::shape_str(c),
+                      "expected at most 2^34 (batch, head, cube) rows, found ", rows);
     visit_lists_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
         sel_index, sel_count, c.tiling.cube_tokens, c.tiling.block_tokens, c.tiling.blocks_per_cube, c.topk, rows,
         entries, counts);
     VQAD_CUDA_CHECK_LAUNCH("vsa visit_lists_kernel");
     // Tiled [B, H, P, D] as BLHD strides: b = H * P * D, l = D, h = P * D.
     const int64_t P = c.tiling.padded_len;
-    const attention::BlhdStrides st{static_cast<int64_t>(c.heads) * P * kD, kD, P * kD, 1};
+    const BlhdStrides st{static_cast<int64_t>(c.heads) * P * kD, kD, P * kD, 1};
     attention::AttnQatFwdParams fp{};
-    fp.q = tiled_q;
-    fp.k = tiled_k;
-    fp.v = tiled_v;
-    fp.q_stride = fp.k_stride = fp.v_stride = st;
-    fp.o = o_tiled;
-    fp.o_hp = o_hp_tiled;
-    fp.o_stride = fp.o_hp_stride = st;
+    fp.q = BlhdIn{tiled_q, st};
+    fp.k = BlhdIn{tiled_k, st};
+    fp.v = BlhdIn{tiled_v, st};
+    fp.o = BlhdOut{o_tiled, st};
+    fp.o_hp = BlhdOut{o_hp_tiled, st};
     fp.m = m;
     fp.l = l;
     fp.batch = c.batch;
@@ -780,7 +785,8 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
     } catch (const vqad::Error&) {
       throw;
     } catch (const std::exception& e) {
-      throw vqad::Error(std::string("vsa fine forward (C128 wgmma): ") + e.what() + " (" + detail::shape_str(c) + ")");
+      throw vqad::Error(std::string(kFineForwardOp) + " (C128 wgmma): " + e.what() + " (" + detail::shape_str(c) +
+                        ")");
     }
     return;
   }
@@ -797,7 +803,7 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
   p.list_stride = c.topk;
   const size_t smem = fwd_smem_bytes(c.topk * c.tiling.blocks_per_cube);
   auto launch = [&](auto kernel) {
-    set_smem(kernel, smem, c, "fine forward");
+    set_smem(kernel, smem, c, kFineForwardOp);
     kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
     VQAD_CUDA_CHECK_LAUNCH("vsa fine_fwd_kernel");
   };
@@ -813,7 +819,8 @@ namespace detail {
 void launch_fine_stats(const VsaConfig& c, const void* d_o_tiled, const void* o_hp_tiled, const float* m,
                        const float* l, void* stats, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(c.batch) * c.heads * c.tiling.padded_len;
-  VQAD_CHECK((rows + 7) / 8 <= 0x7fffffff, "vsa fine stats: too many rows (", shape_str(c), ")");
+  VQAD_LAUNCH_CHECK((rows + 7) / 8 <= 0x7fffffff, "vsa fine stats", shape_str(c),
+                    "expected at most 2^34 tiled rows, found ", rows);
   fine_stats_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
       static_cast<const bf16*>(d_o_tiled), static_cast<const bf16*>(o_hp_tiled), m, l, c.tiling.block_tokens,
       static_cast<float4*>(stats), rows, c.tiling.padded_len);
@@ -836,7 +843,7 @@ void launch_fine_dkdv(const VsaConfig& c, const void* tiled_q, const void* tiled
   p.list_stride = c.tiling.num_cubes;
   const size_t smem = dkdv_smem_bytes(c.tiling.num_cubes * c.tiling.blocks_per_cube);
   auto launch = [&](auto kernel) {
-    set_smem(kernel, smem, c, "fine dK/dV");
+    set_smem(kernel, smem, c, "vsa fine dK/dV");
     kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
     VQAD_CUDA_CHECK_LAUNCH("vsa fine_dkdv_kernel");
   };
@@ -864,7 +871,7 @@ void launch_fine_dq(const VsaConfig& c, const void* tiled_q, const void* tiled_k
   p.list_count = sel_count;
   p.list_stride = c.topk;
   const size_t smem = dq_smem_bytes(c.topk * c.tiling.blocks_per_cube);
-  set_smem(fine_dq_kernel, smem, c, "fine dQ");
+  set_smem(fine_dq_kernel, smem, c, "vsa fine dQ");
   fine_dq_kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
   VQAD_CUDA_CHECK_LAUNCH("vsa fine_dq_kernel");
 }
@@ -882,11 +889,12 @@ void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* 
                            const void* d_o_tiled, const void* stats, const int32_t* sel_index,
                            const int32_t* sel_count, const int32_t* inv_index, const int32_t* inv_count,
                            void* dq_tiled, void* dk_tiled, void* dv_tiled, void* scratch, cudaStream_t stream) {
-  VQAD_CHECK(vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs,
-             "vsa fine backward (wgmma): only for 2 physical blocks per cube (", shape_str(c), ")");
-  VQAD_CHECK(scratch != nullptr && reinterpret_cast<uintptr_t>(scratch) % 256 == 0,
-             "vsa fine backward: a 256-byte aligned scratch of ", fine_backward_scratch_bytes(c),
-             " bytes is required (", shape_str(c), ")");
+  VQAD_LAUNCH_CHECK(vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs,
+                    kFineBackwardOp, shape_str(c), "expected 2 physical blocks per cube, found ",
+                    c.tiling.blocks_per_cube);
+  VQAD_LAUNCH_CHECK(scratch != nullptr && reinterpret_cast<uintptr_t>(scratch) % 256 == 0, kFineBackwardOp,
+                    shape_str(c), "expected a 256-byte aligned scratch of ", fine_backward_scratch_bytes(c),
+                    " bytes, found address ", scratch);
   const int64_t rows = static_cast<int64_t>(c.batch) * c.heads * c.tiling.num_cubes;
   const int bpc = c.tiling.blocks_per_cube, nc = c.tiling.num_cubes;
   auto a256 = [](size_t x) { return (x + 255) / 256 * 256; };
@@ -898,7 +906,8 @@ void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* 
   int32_t* kv_counts = reinterpret_cast<int32_t*>(cur);
   cur += a256(static_cast<size_t>(rows) * 4);
   int32_t* q_counts = reinterpret_cast<int32_t*>(cur);
-  VQAD_CHECK((rows + 7) / 8 <= 0x7fffffff, "vsa fine backward: too many rows (", shape_str(c), ")");
+  VQAD_LAUNCH_CHECK((rows + 7) / 8 <= 0x7fffffff, kFineBackwardOp, shape_str(c),
+                    "expected at most 2^34 (batch, head, cube) rows, found ", rows);
   const unsigned grid = static_cast<unsigned>((rows + 7) / 8);
   // The forward's visit lists (dQ) and the inverse lists expanded to query blocks (dK/dV).
   visit_lists_kernel<<<grid, 256, 0, stream>>>(sel_index, sel_count, c.tiling.cube_tokens, c.tiling.block_tokens,

@@ -2,7 +2,8 @@
 // numerics/vsa_ref.h's). Plain C++ (no torch): raw device pointers and a stream.
 //
 // Layouts:
-//   raster  BF16 [B, L, H, D] (BLHD) with element strides, d contiguous, rows 16-byte aligned;
+//   raster  BF16 [B, L, H, D] (BLHD) views (BlhdIn / BlhdOut of kernels/common/launch.h):
+//           element strides, d contiguous, rows 16-byte aligned;
 //   tiled   BF16 [B, H, padded_len, D] contiguous; slot s of (b, h) holds the token
 //           slot_to_token[s] (cube-major, vsa_ref.h "tiling"); padding slots hold zeros;
 //   coarse  FP32 [B, H, num_cubes, D] (bf16-valued means and out_c), [B, H, nc, nc] scores/probs;
@@ -18,12 +19,16 @@
 //   on the ATTN_QAT_TRAIN wgmma backward with visit lists, one CTA per cube, C64 on
 //   mma.sync),
 //   the coarse backward and the gated combine / scatter back to raster order.
-// Errors (shapes, alignment, devices) throw vqad::Error naming the stage and the shape.
+// Errors (shapes, strides, alignment, devices) throw vqad::Error naming the stage, the
+// tensor, the shape and the device with its arch (the launch convention of
+// kernels/common/launch.h).
 #pragma once
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
+
+#include "vqad/kernels/common/launch.h"
 
 namespace vqad::kernels::vsa {
 
@@ -69,15 +74,6 @@ struct TilingDev {
   const int32_t* block_tokens = nullptr;   // [num_cubes * blocks_per_cube]
 };
 
-struct RasterIn {  // BF16 [B, L, H, D], element strides
-  const void* p = nullptr;
-  int64_t sb = 0, sl = 0, sh = 0;
-};
-struct RasterOut {
-  void* p = nullptr;
-  int64_t sb = 0, sl = 0, sh = 0;
-};
-
 struct VsaConfig {
   int batch = 0, heads = 0, head_dim = kVsaHeadDim;
   int grid_t = 0, grid_h = 0, grid_w = 0;  // for messages
@@ -95,9 +91,9 @@ struct VsaConfig {
 // Forward: inputs, the output, what the backward needs (caller-owned; lives until the
 // backward) and the scratch workspace (vsa_forward_workspace_bytes, 256-byte aligned).
 struct VsaForwardArgs {
-  RasterIn q, k, v;
-  RasterIn gate;       // gate.p == nullptr: zero gate
-  RasterOut o;         // BF16 [B, L, H, D]
+  BlhdIn q, k, v;  // BF16 [B, L, H, D]
+  BlhdIn gate;     // gate.data == nullptr: zero gate
+  BlhdOut o;       // BF16 [B, L, H, D]
   // saved
   void* tiled_q = nullptr;    // BF16 [B, H, P, D]: fine-stage operands (quantized for QAT)
   void* tiled_k = nullptr;
@@ -118,8 +114,8 @@ size_t vsa_forward_workspace_bytes(const VsaConfig& c);
 void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t stream);
 
 struct VsaBackwardArgs {
-  RasterIn gate;  // as in the forward (nullptr: zero gate)
-  RasterIn d_o;   // BF16 [B, L, H, D]
+  BlhdIn gate;  // as in the forward (data == nullptr: zero gate)
+  BlhdIn d_o;   // BF16 [B, L, H, D]
   // saved by the forward
   const void* tiled_q = nullptr;
   const void* tiled_k = nullptr;
@@ -134,8 +130,8 @@ struct VsaBackwardArgs {
   const float* v_c = nullptr;
   const float* probs = nullptr;
   const float* out_c = nullptr;
-  // outputs BF16 [B, L, H, D]; dgate.p may be null (not wanted)
-  RasterOut dq, dk, dv, dgate;
+  // outputs BF16 [B, L, H, D]; dgate.data may be null (not wanted)
+  BlhdOut dq, dk, dv, dgate;
   void* workspace = nullptr;  // vsa_backward_workspace_bytes, 256-byte aligned
 };
 size_t vsa_backward_workspace_bytes(const VsaConfig& c);
@@ -145,7 +141,7 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
 
 // Tiled BF16 copy of a raster tensor, padding slots zero; NVFP4 fake quantization with
 // unit scale per 16 channels when `quantize` (bit-exact with launch_fake_quant_qkv).
-void launch_tile(const VsaConfig& c, RasterIn src, void* dst_tiled, bool quantize, cudaStream_t stream);
+void launch_tile(const VsaConfig& c, BlhdIn src, void* dst_tiled, bool quantize, cudaStream_t stream);
 
 // Fine-stage forward over the lists: o (quantized-P path) and o_hp (BF16-P path; equal to
 // o without P quantization) tiled BF16, m and l [B, H, P]; scratch holds

@@ -441,31 +441,37 @@ float resolved_scale(const VsaConfig& c) {
   return c.softmax_scale > 0.0f ? c.softmax_scale : 1.0f / std::sqrt(static_cast<float>(kD));
 }
 
-void check_raster(const char* name, const void* p, int64_t sb, int64_t sl, int64_t sh, const VsaConfig& c) {
-  VQAD_CHECK(p != nullptr, "vsa: tensor ", name, " is null (", detail::shape_str(c), ")");
-  VQAD_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "vsa: tensor ", name,
-             " must be 16-byte aligned, found address ", p, " (", detail::shape_str(c), ")");
-  VQAD_CHECK(sb % 8 == 0 && sl % 8 == 0 && sh % 8 == 0 && sb >= 0 && sl >= 0 && sh >= 0, "vsa: tensor ", name,
-             " strides (b, l, h) must be non-negative multiples of 8 elements, found (", sb, ", ", sl, ", ", sh,
-             ") (", detail::shape_str(c), ")");
+constexpr const char* kTileOp = "vsa tile";
+constexpr const char* kForwardOp = "vsa forward";
+constexpr const char* kBackwardOp = "vsa backward";
+
+// A raster BLHD operand (check_blhd of the launch convention).
+template <class View>  // BlhdIn or BlhdOut
+void check_raster(const char* op, const char* name, const View& t, const VsaConfig& c) {
+  check_blhd(op, name, t, [&] { return detail::shape_str(c); });
 }
 
-void check_config(const VsaConfig& c) {
+void check_config(const char* op, const VsaConfig& c) {
   const TilingDev& t = c.tiling;
-  VQAD_CHECK(c.head_dim == kD, "vsa: the CUDA kernels need head_dim ", kD, ", found ", c.head_dim, " (",
-             detail::shape_str(c), ")");
-  VQAD_CHECK(c.batch >= 1 && c.heads >= 1 && c.batch <= 65535 && c.heads <= 65535,
-             "vsa: batch and heads must be in [1, 65535] (", detail::shape_str(c), ")");
-  VQAD_CHECK(t.len >= 1 && t.num_cubes >= 1 && t.blocks_per_cube >= 1 &&
-                 t.padded_len == t.num_cubes * t.blocks_per_cube * kBT,
-             "vsa: inconsistent tiling (", detail::shape_str(c), ")");
-  VQAD_CHECK(t.num_cubes * t.blocks_per_cube <= 0x7fffffff / kBT, "vsa: too many cubes (", detail::shape_str(c), ")");
-  VQAD_CHECK(t.slot_to_token && t.token_to_slot && t.cube_tokens && t.block_tokens,
-             "vsa: tiling tables must be on the device (", detail::shape_str(c), ")");
-  VQAD_CHECK(c.topk >= 1 && c.topk <= t.num_cubes, "vsa: topk must be in [1, num_cubes], found ", c.topk, " (",
-             detail::shape_str(c), ")");
-  VQAD_CHECK(static_cast<int64_t>(c.batch) * c.heads * t.num_cubes <= 0x7fffffff,
-             "vsa: too many (batch, head, cube) rows (", detail::shape_str(c), ")");
+  VQAD_LAUNCH_CHECK(c.head_dim == kD, op, detail::shape_str(c), "expected head dim ", kD, ", found ", c.head_dim);
+  VQAD_LAUNCH_CHECK(c.batch >= 1 && c.heads >= 1 && c.batch <= 65535 && c.heads <= 65535, op, detail::shape_str(c),
+                    "expected batch and heads in [1, 65535], found B=", c.batch, " H=", c.heads);
+  VQAD_LAUNCH_CHECK(t.len >= 1 && t.num_cubes >= 1 && t.blocks_per_cube >= 1 &&
+                        t.padded_len == t.num_cubes * t.blocks_per_cube * kBT,
+                    op, detail::shape_str(c),
+                    "expected a tiling with len, cubes, blocks per cube >= 1 and padded_len = cubes * blocks per "
+                    "cube * ", kBT, ", found len ", t.len, ", ", t.num_cubes, " cubes, ", t.blocks_per_cube,
+                    " blocks per cube, padded_len ", t.padded_len);
+  VQAD_LAUNCH_CHECK(t.num_cubes * t.blocks_per_cube <= 0x7fffffff / kBT, op, detail::shape_str(c),
+                    "expected at most ", 0x7fffffff / kBT, " physical blocks, found ",
+                    static_cast<int64_t>(t.num_cubes) * t.blocks_per_cube);
+  VQAD_LAUNCH_CHECK(t.slot_to_token && t.token_to_slot && t.cube_tokens && t.block_tokens, op, detail::shape_str(c),
+                    "expected the tiling tables on the device, found a null table");
+  VQAD_LAUNCH_CHECK(c.topk >= 1 && c.topk <= t.num_cubes, op, detail::shape_str(c), "expected topk in [1, ",
+                    t.num_cubes, "], found ", c.topk);
+  VQAD_LAUNCH_CHECK(static_cast<int64_t>(c.batch) * c.heads * t.num_cubes <= 0x7fffffff, op, detail::shape_str(c),
+                    "expected at most 2^31 - 1 (batch, head, cube) rows, found ",
+                    static_cast<int64_t>(c.batch) * c.heads * t.num_cubes);
 }
 
 template <typename T>
@@ -486,12 +492,12 @@ std::string shape_str(const VsaConfig& c) {
 }
 }  // namespace detail
 
-void launch_tile(const VsaConfig& c, RasterIn src, void* dst_tiled, bool quantize, cudaStream_t stream) {
-  check_raster("tile source", src.p, src.sb, src.sl, src.sh, c);
-  VQAD_CHECK(dst_tiled != nullptr && reinterpret_cast<uintptr_t>(dst_tiled) % 16 == 0,
-             "vsa tile: destination must be a 16-byte aligned buffer (", detail::shape_str(c), ")");
+void launch_tile(const VsaConfig& c, BlhdIn src, void* dst_tiled, bool quantize, cudaStream_t stream) {
+  check_raster(kTileOp, "tile source", src, c);
+  VQAD_LAUNCH_CHECK(dst_tiled != nullptr && reinterpret_cast<uintptr_t>(dst_tiled) % 16 == 0, kTileOp,
+                    detail::shape_str(c), "expected a 16-byte aligned destination, found address ", dst_tiled);
   const int64_t total = static_cast<int64_t>(c.batch) * c.heads * c.tiling.padded_len * (kD / 16);
-  tile_kernel<<<grid_for(total, 256), 256, 0, stream>>>(static_cast<const bf16*>(src.p), src.sb, src.sl, src.sh,
+  tile_kernel<<<grid_for(total, 256), 256, 0, stream>>>(static_cast<const bf16*>(src.data), src.stride.b, src.stride.l, src.stride.h,
                                                         static_cast<bf16*>(dst_tiled), c.tiling.slot_to_token,
                                                         c.heads, c.tiling.padded_len, total, quantize);
   VQAD_CUDA_CHECK_LAUNCH("vsa tile_kernel");
@@ -503,18 +509,18 @@ size_t vsa_forward_workspace_bytes(const VsaConfig& c) {
 }
 
 void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t stream) {
-  check_config(c);
-  check_raster("q", a.q.p, a.q.sb, a.q.sl, a.q.sh, c);
-  check_raster("k", a.k.p, a.k.sb, a.k.sl, a.k.sh, c);
-  check_raster("v", a.v.p, a.v.sb, a.v.sl, a.v.sh, c);
-  if (a.gate.p != nullptr) check_raster("gate", a.gate.p, a.gate.sb, a.gate.sl, a.gate.sh, c);
-  check_raster("o", a.o.p, a.o.sb, a.o.sl, a.o.sh, c);
-  VQAD_CHECK(a.tiled_q && a.tiled_k && a.tiled_v && a.o_fine_hp && a.m && a.l && a.sel_index && a.sel_count &&
-                 a.q_c && a.k_c && a.v_c && a.probs && a.out_c,
-             "vsa forward: a saved buffer is null (", detail::shape_str(c), ")");
-  VQAD_CHECK(a.workspace != nullptr && reinterpret_cast<uintptr_t>(a.workspace) % 256 == 0,
-             "vsa forward: a 256-byte aligned workspace of ", vsa_forward_workspace_bytes(c),
-             " bytes is required (", detail::shape_str(c), ")");
+  check_config(kForwardOp, c);
+  check_raster(kForwardOp, "q", a.q, c);
+  check_raster(kForwardOp, "k", a.k, c);
+  check_raster(kForwardOp, "v", a.v, c);
+  if (a.gate.data != nullptr) check_raster(kForwardOp, "gate", a.gate, c);
+  check_raster(kForwardOp, "o", a.o, c);
+  VQAD_LAUNCH_CHECK(a.tiled_q && a.tiled_k && a.tiled_v && a.o_fine_hp && a.m && a.l && a.sel_index &&
+                        a.sel_count && a.q_c && a.k_c && a.v_c && a.probs && a.out_c,
+                    kForwardOp, detail::shape_str(c), "expected every saved buffer, found a null one");
+  VQAD_LAUNCH_CHECK(a.workspace != nullptr && reinterpret_cast<uintptr_t>(a.workspace) % 256 == 0, kForwardOp,
+                    detail::shape_str(c), "expected a 256-byte aligned workspace of ", vsa_forward_workspace_bytes(c),
+                    " bytes, found address ", a.workspace);
   const Sizes s = sizes_of(c);
   uint8_t* cur = static_cast<uint8_t*>(a.workspace);
   void* o_fine = carve<uint8_t>(cur, s.tiled_bf16);
@@ -529,11 +535,11 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   launch_tile(c, a.k, a.tiled_k, c.quantize, stream);
   launch_tile(c, a.v, a.tiled_v, c.quantize && c.quant_v, stream);
   // 2. coarse stage on the unquantized inputs
-  const RasterIn* srcs[3] = {&a.q, &a.k, &a.v};
+  const BlhdIn* srcs[3] = {&a.q, &a.k, &a.v};
   float* means[3] = {a.q_c, a.k_c, a.v_c};
   for (int x = 0; x < 3; ++x) {
-    const RasterIn& r = *srcs[x];
-    pool_kernel<true><<<cube_grid, kD, 0, stream>>>(static_cast<const bf16*>(r.p), r.sb, r.sl, r.sh, nullptr, 0, 0,
+    const BlhdIn& r = *srcs[x];
+    pool_kernel<true><<<cube_grid, kD, 0, stream>>>(static_cast<const bf16*>(r.data), r.stride.b, r.stride.l, r.stride.h, nullptr, 0, 0,
                                                      0, c.tiling.slot_to_token, c.tiling.cube_tokens, H, nc,
                                                      cube_slots, means[x]);
     VQAD_CUDA_CHECK_LAUNCH("vsa pool_kernel");
@@ -546,8 +552,8 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   // 3. selection
   {
     const size_t smem = static_cast<size_t>(nc) * 12;
-    VQAD_CHECK(smem <= 48 * 1024, "vsa selection: ", nc, " cubes need ", smem,
-               " bytes of shared memory, more than 48 KiB (", detail::shape_str(c), ")");
+    VQAD_LAUNCH_CHECK(smem <= 48 * 1024, kForwardOp, detail::shape_str(c), "selection: expected at most 48 KiB of "
+                      "shared memory, found ", smem, " bytes for ", nc, " cubes");
     select_kernel<<<cube_grid, 256, smem, stream>>>(scores, a.probs, a.sel_index, a.sel_count, H, nc, c.topk,
                                                     c.top_p_mode && c.top_p < 1.0f, c.top_p);
     VQAD_CUDA_CHECK_LAUNCH("vsa select_kernel");
@@ -558,8 +564,8 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   // 5. out = bf16(out_c * gate + o_fine)
   const int64_t total = static_cast<int64_t>(c.batch) * c.tiling.len * H * (kD / 8);
   combine_kernel<<<grid_for(total, 256), 256, 0, stream>>>(
-      static_cast<const bf16*>(o_fine), a.out_c, static_cast<const bf16*>(a.gate.p), a.gate.sb, a.gate.sl,
-      a.gate.sh, static_cast<bf16*>(a.o.p), a.o.sb, a.o.sl, a.o.sh, c.tiling.token_to_slot, c.tiling.len, H,
+      static_cast<const bf16*>(o_fine), a.out_c, static_cast<const bf16*>(a.gate.data), a.gate.stride.b, a.gate.stride.l,
+      a.gate.stride.h, static_cast<bf16*>(a.o.data), a.o.stride.b, a.o.stride.l, a.o.stride.h, c.tiling.token_to_slot, c.tiling.len, H,
       c.tiling.padded_len, nc, cube_slots, total);
   VQAD_CUDA_CHECK_LAUNCH("vsa combine_kernel");
 }
@@ -572,19 +578,19 @@ size_t vsa_backward_workspace_bytes(const VsaConfig& c) {
 }
 
 void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t stream) {
-  check_config(c);
-  check_raster("d_o", a.d_o.p, a.d_o.sb, a.d_o.sl, a.d_o.sh, c);
-  if (a.gate.p != nullptr) check_raster("gate", a.gate.p, a.gate.sb, a.gate.sl, a.gate.sh, c);
-  check_raster("dq", a.dq.p, a.dq.sb, a.dq.sl, a.dq.sh, c);
-  check_raster("dk", a.dk.p, a.dk.sb, a.dk.sl, a.dk.sh, c);
-  check_raster("dv", a.dv.p, a.dv.sb, a.dv.sl, a.dv.sh, c);
-  if (a.dgate.p != nullptr) check_raster("dgate", a.dgate.p, a.dgate.sb, a.dgate.sl, a.dgate.sh, c);
-  VQAD_CHECK(a.tiled_q && a.tiled_k && a.tiled_v && a.o_fine_hp && a.m && a.l && a.sel_index && a.sel_count &&
-                 a.q_c && a.k_c && a.v_c && a.probs && a.out_c,
-             "vsa backward: a saved buffer is null (", detail::shape_str(c), ")");
-  VQAD_CHECK(a.workspace != nullptr && reinterpret_cast<uintptr_t>(a.workspace) % 256 == 0,
-             "vsa backward: a 256-byte aligned workspace of ", vsa_backward_workspace_bytes(c),
-             " bytes is required (", detail::shape_str(c), ")");
+  check_config(kBackwardOp, c);
+  check_raster(kBackwardOp, "d_o", a.d_o, c);
+  if (a.gate.data != nullptr) check_raster(kBackwardOp, "gate", a.gate, c);
+  check_raster(kBackwardOp, "dq", a.dq, c);
+  check_raster(kBackwardOp, "dk", a.dk, c);
+  check_raster(kBackwardOp, "dv", a.dv, c);
+  if (a.dgate.data != nullptr) check_raster(kBackwardOp, "dgate", a.dgate, c);
+  VQAD_LAUNCH_CHECK(a.tiled_q && a.tiled_k && a.tiled_v && a.o_fine_hp && a.m && a.l && a.sel_index &&
+                        a.sel_count && a.q_c && a.k_c && a.v_c && a.probs && a.out_c,
+                    kBackwardOp, detail::shape_str(c), "expected every saved buffer, found a null one");
+  VQAD_LAUNCH_CHECK(a.workspace != nullptr && reinterpret_cast<uintptr_t>(a.workspace) % 256 == 0, kBackwardOp,
+                    detail::shape_str(c), "expected a 256-byte aligned workspace of ",
+                    vsa_backward_workspace_bytes(c), " bytes, found address ", a.workspace);
   const Sizes s = sizes_of(c);
   uint8_t* cur = static_cast<uint8_t*>(a.workspace);
   void* d_o_t = carve<uint8_t>(cur, s.tiled_bf16);
@@ -633,11 +639,11 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
   }
 
   // Coarse stage (only with a gate: a zero gate gives out_c no gradient).
-  const bool has_gate = a.gate.p != nullptr;
+  const bool has_gate = a.gate.data != nullptr;
   if (has_gate) {
     pool_kernel<false><<<cube_grid, kD, 0, stream>>>(
-        static_cast<const bf16*>(a.d_o.p), a.d_o.sb, a.d_o.sl, a.d_o.sh, static_cast<const bf16*>(a.gate.p),
-        a.gate.sb, a.gate.sl, a.gate.sh, c.tiling.slot_to_token, c.tiling.cube_tokens, H, nc, cube_slots, d_outc);
+        static_cast<const bf16*>(a.d_o.data), a.d_o.stride.b, a.d_o.stride.l, a.d_o.stride.h, static_cast<const bf16*>(a.gate.data),
+        a.gate.stride.b, a.gate.stride.l, a.gate.stride.h, c.tiling.slot_to_token, c.tiling.cube_tokens, H, nc, cube_slots, d_outc);
     VQAD_CUDA_CHECK_LAUNCH("vsa pool_kernel (d out_c)");
     coarse_dscores_kernel<<<cube_grid, 256, static_cast<size_t>(nc) * 4, stream>>>(d_outc, a.v_c, a.probs, dscores,
                                                                                    H, nc, resolved_scale(c));
@@ -654,17 +660,17 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
   u.dq_c = has_gate ? dq_c : nullptr;
   u.dk_c = has_gate ? dk_c : nullptr;
   u.dv_c = has_gate ? dv_c : nullptr;
-  u.d_o = static_cast<const bf16*>(a.d_o.p);
-  u.db_ = a.d_o.sb, u.dl_ = a.d_o.sl, u.dh_ = a.d_o.sh;
+  u.d_o = static_cast<const bf16*>(a.d_o.data);
+  u.db_ = a.d_o.stride.b, u.dl_ = a.d_o.stride.l, u.dh_ = a.d_o.stride.h;
   u.out_c = a.out_c;
-  u.dq = static_cast<bf16*>(a.dq.p);
-  u.dk = static_cast<bf16*>(a.dk.p);
-  u.dv = static_cast<bf16*>(a.dv.p);
-  u.dgate = static_cast<bf16*>(a.dgate.p);
-  u.qb_ = a.dq.sb, u.ql_ = a.dq.sl, u.qh_ = a.dq.sh;
-  u.kb_ = a.dk.sb, u.kl_ = a.dk.sl, u.kh_ = a.dk.sh;
-  u.vb_ = a.dv.sb, u.vl_ = a.dv.sl, u.vh_ = a.dv.sh;
-  u.gb_ = a.dgate.sb, u.gl_ = a.dgate.sl, u.gh_ = a.dgate.sh;
+  u.dq = static_cast<bf16*>(a.dq.data);
+  u.dk = static_cast<bf16*>(a.dk.data);
+  u.dv = static_cast<bf16*>(a.dv.data);
+  u.dgate = static_cast<bf16*>(a.dgate.data);
+  u.qb_ = a.dq.stride.b, u.ql_ = a.dq.stride.l, u.qh_ = a.dq.stride.h;
+  u.kb_ = a.dk.stride.b, u.kl_ = a.dk.stride.l, u.kh_ = a.dk.stride.h;
+  u.vb_ = a.dv.stride.b, u.vl_ = a.dv.stride.l, u.vh_ = a.dv.stride.h;
+  u.gb_ = a.dgate.stride.b, u.gl_ = a.dgate.stride.l, u.gh_ = a.dgate.stride.h;
   u.token_to_slot = c.tiling.token_to_slot;
   u.cube_tokens = c.tiling.cube_tokens;
   u.L = c.tiling.len;

@@ -25,6 +25,7 @@
 #include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
+#include "vqad/kernels/common/launch.h"
 
 namespace vqad::kernels {
 namespace attn_bwd {
@@ -380,22 +381,10 @@ constexpr int kDkdvQueryTile = 64;
 constexpr int kDqWarps = kAttnQatBwdQueriesPerCta / 16;
 constexpr int kDqKeyTile = 64;
 
-std::string shape_str(const AttnQatBwdParams& p) {
-  return "(B=" + std::to_string(p.batch) + ", H=" + std::to_string(p.heads) +
-         ", Lq=" + std::to_string(p.len_q) + ", Lkv=" + std::to_string(p.len_kv) +
-         ", D=" + std::to_string(p.head_dim) + ")";
-}
+constexpr const char* kOp = "attn_qat_bwd";
 
-void check_tensor(const void* data, int64_t sb, int64_t sl, int64_t sh, const char* name,
-                  const AttnQatBwdParams& p) {
-  VQAD_CHECK(data != nullptr, "attn_qat_bwd: tensor ", name, " is null, shape ", shape_str(p));
-  VQAD_CHECK(reinterpret_cast<uintptr_t>(data) % 16 == 0, "attn_qat_bwd: tensor ", name,
-             " must be 16-byte aligned, found address ", data);
-  VQAD_CHECK(sb % 8 == 0 && sl % 8 == 0 && sh % 8 == 0, "attn_qat_bwd: tensor ", name,
-             " strides (b, l, h) must be multiples of 8 elements (16-byte rows), found (", sb,
-             ", ", sl, ", ", sh, ")");
-  VQAD_CHECK(sb >= 0 && sl >= 0 && sh >= 0, "attn_qat_bwd: tensor ", name,
-             " has negative strides (", sb, ", ", sl, ", ", sh, ")");
+std::string shape_str(const AttnQatBwdParams& p) {
+  return attention_shape_str(p.batch, p.heads, p.len_q, p.len_kv, p.head_dim);
 }
 
 // cudaGetDeviceProperties costs far more than a backward launch at small
@@ -412,10 +401,9 @@ DeviceInfo cached_device_info() {
 }
 
 template <typename Kernel>
-void set_smem(Kernel kernel, size_t bytes, const DeviceInfo& dev) {
-  VQAD_CHECK(bytes <= dev.smem_optin_bytes, "attn_qat_bwd: needs ", bytes,
-             " bytes of shared memory per block, device ", dev.name, " (sm_", dev.arch(),
-             ") allows ", dev.smem_optin_bytes);
+void set_smem(Kernel kernel, size_t bytes, const DeviceInfo& dev, const KernelParams& kp) {
+  VQAD_LAUNCH_CHECK(bytes <= dev.smem_optin_bytes, kOp, kernel_shape_str(kp), "expected ", bytes,
+                    " bytes of shared memory per block, found ", dev.smem_optin_bytes, " on the device");
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(bytes)));
 }
@@ -428,7 +416,7 @@ void launch_mma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const Devi
     constexpr size_t smem = dkdv_smem_bytes<kDkdvWarps, kDkdvQueryTile>();
     const dim3 grid((kp.Lkv + kAttnQatBwdKeysPerCta - 1) / kAttnQatBwdKeysPerCta, kp.H, kp.B);
     auto launch = [&](auto kernel) {
-      set_smem(kernel, smem, dev);
+      set_smem(kernel, smem, dev, kp);
       kernel<<<grid, kDkdvWarps * 32, smem, stream>>>(kp);
     };
     switch (mode) {
@@ -448,7 +436,7 @@ void launch_mma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const Devi
     constexpr size_t smem = dq_smem_bytes<kDqWarps, kDqKeyTile>();
     const dim3 grid((kp.Lq + kAttnQatBwdQueriesPerCta - 1) / kAttnQatBwdQueriesPerCta, kp.H, kp.B);
     auto kernel = dq_kernel<kDqWarps, kDqKeyTile>;
-    set_smem(kernel, smem, dev);
+    set_smem(kernel, smem, dev, kp);
     kernel<<<grid, kDqWarps * 32, smem, stream>>>(kp);
     VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_kernel");
   }
@@ -485,43 +473,43 @@ size_t attn_qat_bwd_workspace_bytes(const AttnQatBwdParams& p) {
 
 void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
   using namespace attn_bwd;
-  VQAD_CHECK(p.head_dim == kD, "attn_qat_bwd: head_dim must be ", kD, ", found shape ",
-             shape_str(p));
-  VQAD_CHECK(p.batch >= 1 && p.heads >= 1 && p.len_q >= 1 && p.len_kv >= 1,
-             "attn_qat_bwd: batch, heads and lengths must be >= 1, found shape ", shape_str(p));
-  VQAD_CHECK(p.batch <= 65535 && p.heads <= 65535,
-             "attn_qat_bwd: batch and heads must be <= 65535 (grid limits), found shape ",
-             shape_str(p));
-  VQAD_CHECK(p.softmax_scale >= 0.0f && std::isfinite(p.softmax_scale),
-             "attn_qat_bwd: softmax_scale must be finite and >= 0, found ", p.softmax_scale);
-  VQAD_CHECK(p.p_mode == AttnQatBwdPMode::kConsistent || p.p_mode == AttnQatBwdPMode::kFastVideo ||
-                 p.p_mode == AttnQatBwdPMode::kNone,
-             "attn_qat_bwd: unknown p_mode ", static_cast<int>(p.p_mode));
-  check_tensor(p.q_hat.data, p.q_hat.stride_b, p.q_hat.stride_l, p.q_hat.stride_h, "q_hat", p);
-  check_tensor(p.k_hat.data, p.k_hat.stride_b, p.k_hat.stride_l, p.k_hat.stride_h, "k_hat", p);
-  check_tensor(p.v_hat.data, p.v_hat.stride_b, p.v_hat.stride_l, p.v_hat.stride_h, "v_hat", p);
-  check_tensor(p.d_out.data, p.d_out.stride_b, p.d_out.stride_l, p.d_out.stride_h, "d_out", p);
-  check_tensor(p.o_hp.data, p.o_hp.stride_b, p.o_hp.stride_l, p.o_hp.stride_h, "o_hp", p);
-  check_tensor(p.d_q.data, p.d_q.stride_b, p.d_q.stride_l, p.d_q.stride_h, "d_q", p);
-  check_tensor(p.d_k.data, p.d_k.stride_b, p.d_k.stride_l, p.d_k.stride_h, "d_k", p);
-  check_tensor(p.d_v.data, p.d_v.stride_b, p.d_v.stride_l, p.d_v.stride_h, "d_v", p);
-  VQAD_CHECK(p.m != nullptr && p.l != nullptr,
-             "attn_qat_bwd: saved row statistics m and l must not be null, shape ", shape_str(p));
-  VQAD_CHECK(p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 16 == 0,
-             "attn_qat_bwd: workspace of ", attn_qat_bwd_workspace_bytes(p),
-             " bytes (16-byte aligned) is required, found ", p.workspace);
+  const auto shape = [&] { return shape_str(p); };
+  VQAD_LAUNCH_CHECK(p.head_dim == kD, kOp, shape(), "expected head dim ", kD, ", found ", p.head_dim);
+  VQAD_LAUNCH_CHECK(p.batch >= 1 && p.heads >= 1 && p.len_q >= 1 && p.len_kv >= 1, kOp, shape(),
+                    "unsupported shape: expected batch, heads and lengths >= 1");
+  VQAD_LAUNCH_CHECK(p.batch <= 65535 && p.heads <= 65535, kOp, shape(),
+                    "unsupported shape: expected batch and heads <= 65535 (grid limits)");
+  VQAD_LAUNCH_CHECK(p.softmax_scale >= 0.0f && std::isfinite(p.softmax_scale), kOp, shape(),
+                    "expected a finite softmax_scale >= 0 (0: 1/sqrt(D)), found ", p.softmax_scale);
+  VQAD_LAUNCH_CHECK(p.p_mode == AttnQatBwdPMode::kConsistent || p.p_mode == AttnQatBwdPMode::kFastVideo ||
+                        p.p_mode == AttnQatBwdPMode::kNone,
+                    kOp, shape(), "expected p_mode consistent, fastvideo or none, found ", static_cast<int>(p.p_mode));
+  VQAD_LAUNCH_CHECK(p.impl == AttnQatBwdImpl::kAuto || p.impl == AttnQatBwdImpl::kMmaSync ||
+                        p.impl == AttnQatBwdImpl::kWgmma,
+                    kOp, shape(), "expected impl auto, mma.sync or wgmma, found ", static_cast<int>(p.impl));
+  check_blhd(kOp, "q_hat", p.q_hat, shape);
+  check_blhd(kOp, "k_hat", p.k_hat, shape);
+  check_blhd(kOp, "v_hat", p.v_hat, shape);
+  check_blhd(kOp, "d_out", p.d_out, shape);
+  check_blhd(kOp, "o_hp", p.o_hp, shape);
+  check_blhd(kOp, "d_q", p.d_q, shape);
+  check_blhd(kOp, "d_k", p.d_k, shape);
+  check_blhd(kOp, "d_v", p.d_v, shape);
+  VQAD_LAUNCH_CHECK(p.m != nullptr && p.l != nullptr, kOp, shape(),
+                    "expected the saved row statistics m and l, found m ", p.m, ", l ", p.l);
+  VQAD_LAUNCH_CHECK(p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 16 == 0, kOp, shape(),
+                    "expected a workspace of ", attn_qat_bwd_workspace_bytes(p),
+                    " bytes, 16-byte aligned, found address ", p.workspace);
 
   const DeviceInfo dev = cached_device_info();
-  VQAD_CHECK(dev.sm_major >= 9,
-             "attn_qat_bwd: no kernel for device ", dev.name, " (sm_", dev.arch(),
-             "): needs sm_90 or newer; shape ", shape_str(p));
+  VQAD_LAUNCH_CHECK(dev.sm_major >= 9, kOp, shape(), "no kernel for this device: expected sm_90 or newer, found sm_",
+                    dev.arch());
   const AttnQatBwdImpl impl =
       p.impl != AttnQatBwdImpl::kAuto
           ? p.impl
           : (dev.arch() == 90 ? AttnQatBwdImpl::kWgmma : AttnQatBwdImpl::kMmaSync);
-  VQAD_CHECK(impl != AttnQatBwdImpl::kWgmma || dev.arch() == 90,
-             "attn_qat_bwd: the wgmma kernels need sm_90, device ", dev.name, " is sm_",
-             dev.arch(), "; shape ", shape_str(p));
+  VQAD_LAUNCH_CHECK(impl != AttnQatBwdImpl::kWgmma || dev.arch() == 90, kOp, shape(),
+                    "the wgmma kernels need sm_90, found sm_", dev.arch());
 
   KernelParams kp{};
   kp.B = p.batch;
@@ -530,11 +518,11 @@ void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
   kp.Lkv = p.len_kv;
   kp.scale = p.softmax_scale > 0.0f ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(kD));
   kp.c = kp.scale * kLog2e;
-  auto in = [](const AttnQatBwdTensor& t) {
-    return InTensor{static_cast<const bf16*>(t.data), t.stride_b, t.stride_l, t.stride_h};
+  auto in = [](const BlhdIn& t) {
+    return InTensor{static_cast<const bf16*>(t.data), t.stride.b, t.stride.l, t.stride.h};
   };
-  auto out = [](const AttnQatBwdOutTensor& t) {
-    return OutTensor{static_cast<bf16*>(t.data), t.stride_b, t.stride_l, t.stride_h};
+  auto out = [](const BlhdOut& t) {
+    return OutTensor{static_cast<bf16*>(t.data), t.stride.b, t.stride.l, t.stride.h};
   };
   kp.q = in(p.q_hat);
   kp.k = in(p.k_hat);
@@ -559,7 +547,7 @@ void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
   }
 
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.len_q;
-  VQAD_CHECK((rows + 7) / 8 <= 0x7fffffff, "attn_qat_bwd: too many rows, shape ", shape_str(p));
+  VQAD_LAUNCH_CHECK((rows + 7) / 8 <= 0x7fffffff, kOp, shape(), "expected at most 2^34 query rows, found ", rows);
   stats_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(kp);
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd stats_kernel");
 

@@ -1,6 +1,6 @@
 // Device code shared by the ATTN_QAT_TRAIN backward kernels (mma.sync and wgmma
-// variants): kernel parameters, PTX wrappers, the P fake quantization of the dV
-// path, and the launch entry points of each variant.
+// implementations): kernel parameters, PTX wrappers, the P fake quantization of the dV
+// path, and the launch entry points of each implementation.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "vqad/kernels/attention/attention_qat_bwd.h"
+#include "vqad/kernels/common/launch.h"
 #include "vqad/kernels/common/device.h"
 #include "vqad/kernels/common/nvfp4_device.cuh"
 #include "vqad/kernels/common/sm90_ptx.cuh"
@@ -48,6 +50,11 @@ struct KernelParams {
   int split_first, split_parts;
   float* dkv_part;
 };
+
+// The call's shape for launch errors (kernels/common/launch.h).
+inline std::string kernel_shape_str(const KernelParams& kp) {
+  return attention_shape_str(kp.B, kp.H, kp.Lq, kp.Lkv, kD);
+}
 
 // dQ accumulation of the sm_90 backward (spec: deterministic). The dK/dV CTA of
 // key block j also forms dQ_i += dS_ij K_j for every query block i and adds it,
@@ -129,13 +136,13 @@ inline WgmmaWorkspace wgmma_workspace(int64_t batch_heads, int len_q, int len_kv
   return w;
 }
 
-// Host entry points of the two variants (defined in attn_qat_bwd.cu and
+// Host entry points of the two implementations (defined in attn_qat_bwd.cu and
 // attn_qat_bwd_wgmma.cu); the row-statistics pre-pass has already run.
 void launch_mma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
                         cudaStream_t stream);
 void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
                           cudaStream_t stream);
-// Visit-list form of the wgmma backward (the recompute variant: dK/dV CTAs of 128
+// Visit-list form of the wgmma backward (the recompute form: dK/dV CTAs of 128
 // keys, then dQ CTAs of 128 queries, one launch), for the VSA fine stage (kernels/vsa).
 // Entries are attn_qat_fwd_visit.h's (block << 7) | valid rows of 64-row blocks.
 struct VisitLists {
@@ -156,10 +163,6 @@ struct VisitLists {
 };
 void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, AttnQatBwdPMode mode,
                                 const DeviceInfo& dev, cudaStream_t stream);
-// Benchmark knob of the wgmma dQ kernel: keys per block, 64 or 128 (default).
-void set_dq_key_tile_for_tuning(int key_tile);
-// Benchmark knob: dK/dV and dQ in one launch (default) or two.
-void set_wgmma_single_launch_for_tuning(bool single);
 
 // ---------------------------------------------------------------------------
 // PTX wrappers

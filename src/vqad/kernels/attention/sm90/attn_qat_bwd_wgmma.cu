@@ -8,18 +8,20 @@
 //   S^T = K Q^T, dP^T = V dO^T   (m64n64k16, A = K/V tile, B = Q/dO tile, both K-major)
 //   P fake quantization in registers (dkdv_phase1/2, shared with mma.sync)
 //   dV += Pb^T dO, dK += dS^T Q  (m64n128k16, A from registers, B = dO/Q tile N-major)
-//   dQ_i partial = dS K_j        (default, dkdvq_wgmma_kernel: the warps store dS^T
-//     to shared memory; warpgroup w computes head-dim half w over all 128 keys,
-//     m64n64k16 with A = dS^T read transposed; the fp32 partial goes to global
-//     memory by one bulk reduction per block, in a fixed order: see dq_accum_groups
-//     in attn_qat_bwd_common.cuh; dq_finalize_kernel adds the groups). 5 GEMMs.
-// Recompute variant (VQAD_ATTN_BWD_DQ_ORDERED=0; 7 GEMMs):
-// dQ:   CTA = 2 warpgroups x 64 queries; per key block of KT = 128 (or 64):
-//   S = Q K^T, dP = dO V^T (m64nKTk16), dQ += dS K (m64n128k16, B = K tile N-major).
-//   dK/dV and dQ CTAs run in one launch (fused_wgmma_kernel), dK/dV CTAs first.
+//   dQ_i partial = dS K_j        (dkdvq_wgmma_kernel: the warps store dS^T to shared
+//     memory; warpgroup w computes head-dim half w over all 128 keys, m64n64k16 with
+//     A = dS^T read transposed; the fp32 partial goes to global memory by one bulk
+//     reduction per block, in a fixed order: see dq_accum_groups in
+//     attn_qat_bwd_common.cuh; dq_finalize_kernel adds the groups). 5 GEMMs.
 // The CTAs of a last partial wave are split over query ranges (dkdv_split_plan,
-// dkdv_combine_kernel). At (1,3,31200) on an H200: 10.43 ms ordered with the tail split,
-// 10.98 ms without it, 12.08 ms with the recompute pass.
+// dkdv_combine_kernel). At (1,3,31200) on an H200: 10.43 ms with the tail split,
+// 10.98 ms without it, 12.08 ms with a recompute pass for dQ instead of the ordered
+// accumulation (docs/performance.md).
+// Visit lists (launch_wgmma_visit_kernels, the VSA fine stage): the recompute form
+// (7 GEMMs). dK/dV CTAs as above over a list of query blocks (no dQ partials), then
+// dQ CTAs of 2 warpgroups x 64 queries; per tile of 128 keys (two visited 64-row
+// blocks): S = Q K^T, dP = dO V^T (m64n128k16), dQ += dS K (m64n128k16, B = K tile
+// N-major); one launch (fused_visit_kernel), dK/dV CTAs first.
 //
 // Shared tiles hold rows of 128 bf16 as two 64-column halves ([half][row][64]),
 // each row 128 bytes with its 16-byte chunks XOR-swizzled by (row & 7): the
@@ -36,6 +38,7 @@
 #include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
 #include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/launch.h"
 
 namespace vqad::kernels::attn_bwd {
 namespace {
@@ -43,11 +46,13 @@ namespace {
 using attention::kAttnQatVisitBlockRows;
 using attention::kAttnQatVisitCountBits;
 
+// wgmma exists only in the arch-specific sm_90a target; the kernels are empty elsewhere
+// (the launchers refuse other devices).
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define VQAD_ATTN_BWD_WGMMA 1
+#define VQAD_BWD_SM90A 1
 #endif
 
-#ifdef VQAD_ATTN_BWD_WGMMA
+#ifdef VQAD_BWD_SM90A
 constexpr int kRowBytes = 128;  // one 64-column half of a row
 
 // Byte offset of (row, 16-byte chunk 0..15 along D) in a swizzled tile of `rows` rows.
@@ -117,9 +122,7 @@ using sm90::wgmma_m64n128k16_ss;
 using sm90::wgmma_m64n64k16_ss;
 using sm90::wgmma_wait;
 // Back-off of the turn wait (32, 128 and 512 ns measured the same at (1,3,31200)).
-#ifndef VQAD_ATTN_BWD_SEM_SLEEP_NS
-#define VQAD_ATTN_BWD_SEM_SLEEP_NS 32
-#endif
+constexpr unsigned kTurnSleepNs = 32;
 // Turn counter of one dQ block: wait until it equals `turn`, then (after our
 // reduction has completed) advance it.
 __device__ __forceinline__ void sem_wait_eq(const int* sem, int turn) {
@@ -127,7 +130,7 @@ __device__ __forceinline__ void sem_wait_eq(const int* sem, int turn) {
   while (true) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
     if (v == turn) break;
-    __nanosleep(VQAD_ATTN_BWD_SEM_SLEEP_NS);
+    __nanosleep(kTurnSleepNs);
   }
   asm volatile("fence.proxy.async.global;\n" ::: "memory");  // generic -> async proxy
 }
@@ -137,7 +140,7 @@ __device__ __forceinline__ void sem_advance(int* sem) {
   asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
 }
 using sm90::named_barrier_sync;
-#endif  // VQAD_ATTN_BWD_WGMMA
+#endif  // VQAD_BWD_SM90A
 
 template <int N>
 __device__ __forceinline__ float (&flat(float (&x)[N][4]))[N * 4] {
@@ -151,13 +154,7 @@ constexpr int kQueriesPerCta = 128;
 // Stages of the streamed tiles: block i+1 is loaded while block i is computed.
 constexpr int kStages = 2;
 
-// (S, 1/S) per E4M3 scale byte (dK/dV kernel, P quantization).
-#ifndef VQAD_ATTN_BWD_SCALE_TABLE
-#define VQAD_ATTN_BWD_SCALE_TABLE 1
-#endif
-#ifdef VQAD_ATTN_BWD_WGMMA
-constexpr bool kScaleTable = VQAD_ATTN_BWD_SCALE_TABLE != 0;
-#endif
+// (S, 1/S) per E4M3 scale byte in shared memory (dK/dV kernel, P quantization).
 constexpr size_t kScaleTableBytes = 128 * sizeof(float2);
 constexpr size_t kDkdvSmem = 1024 /*alignment slack*/ + 2 * kKeysPerCta * kD * 2 +
                              kStages * 2 * kQueryTile * kD * 2 +
@@ -166,46 +163,30 @@ constexpr size_t kDkdvSmem = 1024 /*alignment slack*/ + 2 * kKeysPerCta * kD * 2
 // partial of one query block (64 x 128) staged for the bulk reduction.
 constexpr size_t kDsTileBytes = kKeysPerCta * kQueryTile * 2;
 constexpr size_t kDqStageBytes = kQueryTile * kD * sizeof(float);
-// Staging buffers of the dQ partial: 1 = the bulk reduction of block i must finish
-// before the barrier of step i + 1 (waited for mid-step); 2 = it may take until the
-// end of step i + 1.
-#ifndef VQAD_ATTN_BWD_DQ_STAGES
-#define VQAD_ATTN_BWD_DQ_STAGES 1
-#endif
-constexpr int kDqStages = VQAD_ATTN_BWD_DQ_STAGES;
-static_assert(kDqStages == 1 || kDqStages == 2, "1 or 2 dQ staging buffers");
-constexpr size_t kDkdvqSmem = kDkdvSmem + kDsTileBytes + kDqStages * kDqStageBytes;
+// One staging buffer of the dQ partial: the bulk reduction of block i must finish
+// before the barrier of step i + 1 (it is waited for mid-step).
+constexpr size_t kDkdvqSmem = kDkdvSmem + kDsTileBytes + kDqStageBytes;
 static_assert((kDkdvSmem - 1024) % 1024 == 0, "dS^T tile must start 1024-byte aligned");
 
-// Tail split of the ordered-dQ kernel (dkdv_split_plan) on (1) or off (0).
-#ifndef VQAD_ATTN_BWD_TAIL_SPLIT
-#define VQAD_ATTN_BWD_TAIL_SPLIT 1
-#endif
-constexpr bool kTailSplit = VQAD_ATTN_BWD_TAIL_SPLIT != 0;
-
-// dQ by ordered accumulation in the dK/dV kernel (default) or by the separate
-// recompute pass (dq_body: S and dP computed a second time).
-#ifndef VQAD_ATTN_BWD_DQ_ORDERED
-#define VQAD_ATTN_BWD_DQ_ORDERED 1
-#endif
-constexpr size_t dq_smem(int key_tile) {
-  return 1024 + 2 * kQueriesPerCta * kD * 2 + kStages * 2 * key_tile * kD * 2;
-}
+// Keys per tile of the visit-list dQ kernel: two visited 64-row blocks.
+constexpr int kDqKeyTile = 2 * kQueryTile;
+constexpr size_t kDqSmem = 1024 + 2 * kQueriesPerCta * kD * 2 + kStages * 2 * kDqKeyTile * kD * 2;
 
 // Per query block (per warpgroup, 64 keys):
 //   S^T, dP^T issued as two groups; phase 1 (exp2 + P quantization) overlaps
 //   dP^T; dV issued; phase 2 (dS) overlaps dV; dK issued.
-#ifdef VQAD_ATTN_BWD_WGMMA
-// Query blocks [q_begin, q_end) of key block kv_block (q_end < 0: all). With
-// part_out (tail split, kDq only) dK and dV go there as fp32 [2][128 keys][128].
+#ifdef VQAD_BWD_SM90A
+// Dense (VISIT = false, dkdvq_wgmma_kernel): query blocks [q_begin, q_end) of key block
+// kv_block (q_end < 0: all), keys < Lkv, and the ordered dQ partials (kDq). With
+// part_out (tail split) dK and dV go there as fp32 [2][128 keys][128].
 // VISIT (launch_wgmma_visit_kernels): the query blocks come from vl's list of this key
 // tile (step i visits block q_entries[i] >> 7), the valid keys of each warpgroup's 64
-// from vl.key_rows; without it the blocks are [q_begin, q_end) and keys < Lkv.
-template <AttnQatBwdPMode MODE, bool kDq, bool VISIT = false>
+// from vl.key_rows; dQ is left to dq_body (the recompute form).
+template <AttnQatBwdPMode MODE, bool VISIT>
 __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, int b, int h,
                                           int kv_block, int q_begin = 0, int q_end = -1,
                                           float* part_out = nullptr, const VisitLists* vl = nullptr) {
-  static_assert(!(VISIT && kDq), "the visit-list backward uses the recompute dQ");
+  constexpr bool kDq = !VISIT;  // ordered dQ partials
   constexpr int kTileK = kKeysPerCta * kD * 2, kTileQ = kQueryTile * kD * 2;
   uint8_t* sK = smem;
   uint8_t* sV = sK + kTileK;
@@ -252,7 +233,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     load_q_block(q_begin, 0);
   }
   cp_async_commit();
-  if (kScaleTable && tid < 128) {  // visible after the first barrier of the loop
+  if (tid < 128) {  // visible after the first barrier of the loop
     const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
     sScale[tid] = make_float2(S, tid == 0 ? 0.0f : __frcp_rn(S));
   }
@@ -288,11 +269,9 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     sem_wait_eq(dq_turn + qb, turn);
     float* dst = dq_part + static_cast<int64_t>(qb) * (kQueryTile * kD);
     if (turn == 0) {
-      bulk_store(dst, smem_u32(sdQ + (qb % kDqStages) * (kDqStageBytes / 16)),
-                 static_cast<int>(kDqStageBytes));
+      bulk_store(dst, smem_u32(sdQ), static_cast<int>(kDqStageBytes));
     } else {
-      bulk_reduce_add(dst, smem_u32(sdQ + (qb % kDqStages) * (kDqStageBytes / 16)),
-                      static_cast<int>(kDqStageBytes));
+      bulk_reduce_add(dst, smem_u32(sdQ), static_cast<int>(kDqStageBytes));
     }
     bulk_commit();
   };
@@ -351,7 +330,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     wgmma_wait<1>();  // S^T done; dP^T may still run
     fence_regs(flat(s));
 
-    dkdv_phase1<MODE, kScaleTable>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
+    dkdv_phase1<MODE, true>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < 4; ++kq)
@@ -383,7 +362,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
       // dS^T tile read transposed (M = queries contiguous), B the K tile's half.
       // The reduction issued at the top of this step has had most of the step to
       // finish; it must before the staging buffer is rewritten (after the barrier).
-      if (kDqStages == 1 && tid == 0 && qb > q_begin) dq_complete(qb - 1);
+      if (tid == 0 && qb > q_begin) dq_complete(qb - 1);
       named_barrier_sync(1, kThreads);  // both warpgroups' dS^T rows are in place
       float dq[32];
       const uint32_t adS = smem_u32(sdS), aKh = aK + wg * kKeysPerCta * kRowBytes;
@@ -403,10 +382,9 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
       // rows; conflict-free stores, and dq_finalize_kernel knows the mapping.
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        sdQ[(qb % kDqStages) * (kDqStageBytes / 16) + (wg * 8 + j) * 128 + wq * 32 + lane] =
+        sdQ[(wg * 8 + j) * 128 + wq * 32 + lane] =
             make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
       fence_proxy_async();  // generic writes -> the bulk engine (after the next barrier)
-      if (kDqStages == 2 && tid == 0 && qb > q_begin) dq_complete(qb - 1);
     } else {
       // Leaving dK in flight into the next block makes ptxas serialize every
       // wgmma (C7515); the other warpgroup keeps the tensor cores busy instead.
@@ -456,26 +434,14 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   }
 }
 
-// S = Q K^T with N = KT keys (64 or 128).
-template <int KT, int N>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N], uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (KT == 64) {
-    wgmma_m64n64k16_ss<0>(d, da, db, scale_d);
-  } else {
-    static_assert(KT == 128, "key tile of the dQ kernel is 64 or 128");
-    wgmma_m64n128k16_ss<0>(d, da, db, scale_d);
-  }
-}
-
-// Per key block of KT keys (per warpgroup, 64 queries): S and dP issued as two groups;
-// exp2 overlaps dP; dQ issued.
-// VISIT: the key tiles are pairs of 64-row blocks of vl's list of this query tile
-// (gathered into the tile's halves, rows past a block's valid count zero-filled and
-// masked); without it tile kb is keys [kb * KT, kb * KT + KT) < Lkv.
-template <int KT, bool VISIT = false>  // keys per block
-__device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, int b, int h,
-                                        int q_block, const VisitLists* vl = nullptr) {
-  static_assert(!VISIT || KT == 2 * kQueryTile, "visit tiles are two 64-row blocks");
+// dQ of query tile q_block over the visit list of vl (the recompute form), per tile of
+// kDqKeyTile keys (per warpgroup, 64 queries): S and dP issued as two groups; exp2
+// overlaps dP; dQ issued. The key tiles are pairs of 64-row blocks of this query tile's
+// list, gathered into the tile's halves (rows past a block's valid count zero-filled
+// and masked).
+__device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, int b, int h, int q_block,
+                                        const VisitLists* vl) {
+  constexpr int KT = kDqKeyTile;
   constexpr int kTileQ = kQueriesPerCta * kD * 2, kTileK = KT * kD * 2;
   uint8_t* sQ = smem;
   uint8_t* sdO = sQ + kTileQ;
@@ -489,12 +455,8 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
 
   load_tile_sw128<kQueriesPerCta, kThreads>(sQ, p.q, b, h, q0, p.Lq, tid);
   load_tile_sw128<kQueriesPerCta, kThreads>(sdO, p.dout, b, h, q0, p.Lq, tid);
-  auto load_kv_block = [&](int kb, int stage) {
-    load_tile_sw128<KT, kThreads>(sK + stage * kTileK, p.k, b, h, kb * KT, p.Lkv, tid);
-    load_tile_sw128<KT, kThreads>(sV + stage * kTileK, p.v, b, h, kb * KT, p.Lkv, tid);
-  };
-  // VISIT: this query tile's list; cur = entries of the tile being computed, nxt = of
-  // the next one (read a step ahead of its cp.async).
+  // This query tile's list; cur = entries of the tile being computed, nxt = of the next
+  // one (read a step ahead of its cp.async).
   const int32_t* klist = nullptr;
   int kcount = 0, cur0 = 0, cur1 = 0, nxt0 = 0, nxt1 = 0;
   auto kentry = [&](int i) { return i < kcount ? __ldg(klist + i) : 0; };
@@ -504,15 +466,13 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
     load_block_sw128<KT, kThreads>(sV + stage * kTileK, p.v, b, h, e0, 0, tid);
     load_block_sw128<KT, kThreads>(sV + stage * kTileK, p.v, b, h, e1, 1, tid);
   };
-  if constexpr (VISIT) {
+  {
     const int64_t row = (static_cast<int64_t>(b) * p.H + h) * vl->q_tiles + q_block;
     klist = vl->kv_entries + row * vl->kv_stride;
     kcount = __ldg(vl->kv_counts + row);
     cur0 = kentry(0), cur1 = kentry(1);
     nxt0 = kentry(2), nxt1 = kentry(3);
     load_kv_pair(cur0, cur1, 0);
-  } else {
-    load_kv_block(0, 0);
   }
   cp_async_commit();
 
@@ -529,25 +489,22 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
     for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
 
   const uint32_t aQ = smem_u32(sQ), adO = smem_u32(sdO);
-  int nk = VISIT ? (kcount + 1) / 2 : (p.Lkv + KT - 1) / KT;
-  // VISIT: a warpgroup whose 64 queries are all padding (a query cube of one physical
-  // block) only loads its share of the tiles and meets the barriers; its dQ rows are 0.
-  const bool idle =
-      VISIT && __shfl_sync(0xffffffffu, __ldg(vl->key_rows + q_block * 2 + wg) == 0 ? 1 : 0, 0) != 0;
-  if constexpr (VISIT) {
-    if (idle) {  // the barriers and loads of the loop below, nothing else
-      for (int kb = 0; kb < nk; ++kb) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();
-        if (kb + 1 < nk) {
-          load_kv_pair(nxt0, nxt1, (kb + 1) % kStages);
-          cp_async_commit();
-        }
-        nxt0 = kentry(2 * kb + 4), nxt1 = kentry(2 * kb + 5);
+  int nk = (kcount + 1) / 2;
+  // A warpgroup whose 64 queries are all padding (a query cube of one physical block)
+  // only loads its share of the tiles and meets the barriers; its dQ rows are 0.
+  const bool idle = __shfl_sync(0xffffffffu, __ldg(vl->key_rows + q_block * 2 + wg) == 0 ? 1 : 0, 0) != 0;
+  if (idle) {  // the barriers and loads of the loop below, nothing else
+    for (int kb = 0; kb < nk; ++kb) {
+      cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();
+      if (kb + 1 < nk) {
+        load_kv_pair(nxt0, nxt1, (kb + 1) % kStages);
+        cp_async_commit();
       }
-      nk = 0;
+      nxt0 = kentry(2 * kb + 4), nxt1 = kentry(2 * kb + 5);
     }
+    nk = 0;
   }
   for (int kb = 0; kb < nk; ++kb) {
     const int stage = kb % kStages;
@@ -561,28 +518,24 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
-      wgmma_ss<KT>(flat(s), desc_kmajor(aQ, kQueriesPerCta, wg * 64, kk),
-                   desc_kmajor(aK, KT, 0, kk), kk > 0);
+      wgmma_m64n128k16_ss<0>(flat(s), desc_kmajor(aQ, kQueriesPerCta, wg * 64, kk), desc_kmajor(aK, KT, 0, kk),
+                             kk > 0);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
-      wgmma_ss<KT>(flat(dp), desc_kmajor(adO, kQueriesPerCta, wg * 64, kk),
-                   desc_kmajor(aV, KT, 0, kk), kk > 0);
+      wgmma_m64n128k16_ss<0>(flat(dp), desc_kmajor(adO, kQueriesPerCta, wg * 64, kk), desc_kmajor(aV, KT, 0, kk),
+                             kk > 0);
     wgmma_commit();
     if (kb + 1 < nk) {  // prefetch the next block while the tensor cores run
-      if constexpr (VISIT) {
-        load_kv_pair(nxt0, nxt1, (kb + 1) % kStages);
-      } else {
-        load_kv_block(kb + 1, (kb + 1) % kStages);
-      }
+      load_kv_pair(nxt0, nxt1, (kb + 1) % kStages);
       cp_async_commit();
     }
     wgmma_wait<1>();  // S done; dP may still run
     fence_regs(flat(s));
 
-    // Keys of the tile: [0, key_n0) valid, and with VISIT the second half's [64, 64 + key_n1).
-    const int key_n0 = VISIT ? (cur0 & 127) : p.Lkv - kb * KT, key_n1 = VISIT ? (cur1 & 127) : 0;
-    const bool key_tail = VISIT ? (key_n0 < kQueryTile || key_n1 < kQueryTile) : kb * KT + KT > p.Lkv;
+    // Keys of the tile: [0, key_n0) valid in the first half, [64, 64 + key_n1) in the second.
+    const int key_n0 = cur0 & 127, key_n1 = cur1 & 127;
+    const bool key_tail = key_n0 < kQueryTile || key_n1 < kQueryTile;
     float pr[KT / 8][4];  // P (kept apart from the accumulator registers of S)
 #pragma unroll
     for (int j = 0; j < KT / 8; ++j) {
@@ -590,12 +543,8 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
       for (int e = 0; e < 2; ++e) {
         float p0 = fast_exp2(fmaf(s[j][e], p.c, -st0.x)) * st0.y;
         float p1 = fast_exp2(fmaf(s[j][2 + e], p.c, -st1.x)) * st1.y;
-        if constexpr (VISIT) {
-          const bool hi = j >= KT / 16;  // second 64-row block of the tile
-          if (key_tail && (j % (KT / 16)) * 8 + 2 * t4 + e >= (hi ? key_n1 : key_n0)) p0 = p1 = 0.0f;
-        } else {
-          if (key_tail && kb * KT + j * 8 + 2 * t4 + e >= p.Lkv) p0 = p1 = 0.0f;
-        }
+        const bool hi = j >= KT / 16;  // second 64-row block of the tile
+        if (key_tail && (j % (KT / 16)) * 8 + 2 * t4 + e >= (hi ? key_n1 : key_n0)) p0 = p1 = 0.0f;
         pr[j][e] = p0;
         pr[j][2 + e] = p1;
       }
@@ -614,12 +563,10 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
     for (int kq = 0; kq < KT / 16; ++kq)
       wgmma_m64n128k16_rs<1>(flat(dq), ads[kq], desc_nmajor(aK, KT, kq * 16));
     wgmma_commit();
-    wgmma_wait<0>();  // see dkdv_wgmma_kernel
+    wgmma_wait<0>();  // see dkdv_body
     fence_regs(flat(dq));
-    if constexpr (VISIT) {
-      cur0 = nxt0, cur1 = nxt1;
-      nxt0 = kentry(2 * kb + 4), nxt1 = kentry(2 * kb + 5);
-    }
+    cur0 = nxt0, cur1 = nxt1;
+    nxt0 = kentry(2 * kb + 4), nxt1 = kentry(2 * kb + 5);
   }
 
   bf16* dq_base = p.dq.p + b * p.dq.sb + h * p.dq.sh;
@@ -634,59 +581,20 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
           pack_bf16(dq[n][2] * p.scale, dq[n][3] * p.scale);
   }
 }
-#endif  // VQAD_ATTN_BWD_WGMMA
+#endif  // VQAD_BWD_SM90A
 
 // Dynamic shared memory is only guaranteed 16-byte aligned; the swizzle needs 1024.
 __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
   return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
 }
 
-template <AttnQatBwdPMode MODE>
-__global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const KernelParams p) {
-#ifdef VQAD_ATTN_BWD_WGMMA
-  extern __shared__ uint8_t smem_raw[];
-  dkdv_body<MODE, false>(p, aligned_smem(smem_raw), blockIdx.z, blockIdx.y, blockIdx.x);
-#endif
-}
-
-template <int KT>
-__global__ void __launch_bounds__(kThreads, 1) dq_wgmma_kernel(const KernelParams p) {
-#ifdef VQAD_ATTN_BWD_WGMMA
-  extern __shared__ uint8_t smem_raw[];
-  dq_body<KT>(p, aligned_smem(smem_raw), blockIdx.z, blockIdx.y, blockIdx.x);
-#endif
-}
-
-// dK/dV and dQ in one launch: all dK/dV CTAs (the longer ones) come first in
-// the 1-D grid and the dQ CTAs fill the SMs that the last dK/dV wave leaves
-// idle, instead of each launch ending on a partial wave.
-template <AttnQatBwdPMode MODE, int KT>
-__global__ void __launch_bounds__(kThreads, 1) fused_wgmma_kernel(const KernelParams p,
-                                                                 int kv_blocks, int q_blocks) {
-#ifdef VQAD_ATTN_BWD_WGMMA
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = aligned_smem(smem_raw);
-  const int64_t dkdv_ctas = static_cast<int64_t>(p.B) * p.H * kv_blocks;
-  int64_t idx = blockIdx.x;
-  if (idx < dkdv_ctas) {
-    const int blk = static_cast<int>(idx % kv_blocks);
-    idx /= kv_blocks;
-    dkdv_body<MODE, false>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk);
-  } else {
-    idx -= dkdv_ctas;
-    const int blk = static_cast<int>(idx % q_blocks);
-    idx /= q_blocks;
-    dq_body<KT>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk);
-  }
-#endif
-}
-
-// The visit-list form of fused_wgmma_kernel (launch_wgmma_visit_kernels): dK/dV CTAs
-// over their query-block lists first, then dQ CTAs over their key-block lists.
+// The visit-list backward (launch_wgmma_visit_kernels) in one launch: dK/dV CTAs over
+// their query-block lists first (the longer ones), then dQ CTAs over their key-block
+// lists, which fill the SMs that the last dK/dV wave leaves idle.
 template <AttnQatBwdPMode MODE>
 __global__ void __launch_bounds__(kThreads, 1) fused_visit_kernel(const KernelParams p,
                                                                  const __grid_constant__ VisitLists vl) {
-#ifdef VQAD_ATTN_BWD_WGMMA
+#ifdef VQAD_BWD_SM90A
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
   const int64_t dkdv_ctas = static_cast<int64_t>(p.B) * p.H * vl.kv_tiles;
@@ -694,13 +602,13 @@ __global__ void __launch_bounds__(kThreads, 1) fused_visit_kernel(const KernelPa
   if (idx < dkdv_ctas) {
     const int blk = static_cast<int>(idx % vl.kv_tiles);
     idx /= vl.kv_tiles;
-    dkdv_body<MODE, false, true>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, 0, -1,
+    dkdv_body<MODE, true>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, 0, -1,
                                  nullptr, &vl);
   } else {
     idx -= dkdv_ctas;
     const int blk = static_cast<int>(idx % vl.q_tiles);
     idx /= vl.q_tiles;
-    dq_body<2 * kQueryTile, true>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, &vl);
+    dq_body(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, &vl);
   }
 #endif
 }
@@ -711,7 +619,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_visit_kernel(const KernelPa
 // lower index (it started earlier: no CTA waits on one that cannot run).
 template <AttnQatBwdPMode MODE>
 __global__ void __launch_bounds__(kThreads, 1) dkdvq_wgmma_kernel(const KernelParams p) {
-#ifdef VQAD_ATTN_BWD_WGMMA
+#ifdef VQAD_BWD_SM90A
   extern __shared__ uint8_t smem_raw[];
   const int bh_count = p.B * p.H;
   int64_t idx = blockIdx.x;
@@ -728,8 +636,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdvq_wgmma_kernel(const KernelPa
   }
   const int bh = static_cast<int>(idx % bh_count);
   const int kv_block = static_cast<int>(idx / bh_count);
-  dkdv_body<MODE, true>(p, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block, q_begin, q_end,
-                        part_out);
+  dkdv_body<MODE, false>(p, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block, q_begin, q_end,
+                         part_out);
 #endif
 }
 
@@ -790,18 +698,13 @@ __global__ void __launch_bounds__(256) dq_finalize_kernel(const KernelParams p, 
   }
 }
 
-// dQ by ordered accumulation (default) or by the recompute pass.
-bool g_dq_ordered = VQAD_ATTN_BWD_DQ_ORDERED != 0;
-// Keys per block of the dQ kernel (128: fewer, larger S/dP GEMMs).
-int g_dq_key_tile = 128;
-// dK/dV and dQ CTAs in one launch (fused_wgmma_kernel).
-bool g_single_launch = true;
+constexpr const char* kOp = "attn_qat_bwd (wgmma)";
+constexpr const char* kVisitOp = "attn_qat_bwd (wgmma, visit lists)";
 
 template <typename Kernel>
-void set_smem(Kernel kernel, size_t bytes, const DeviceInfo& dev) {
-  VQAD_CHECK(bytes <= dev.smem_optin_bytes, "attn_qat_bwd (wgmma): needs ", bytes,
-             " bytes of shared memory per block, device ", dev.name, " (sm_", dev.arch(),
-             ") allows ", dev.smem_optin_bytes);
+void set_smem(const char* op, Kernel kernel, size_t bytes, const DeviceInfo& dev, const KernelParams& kp) {
+  VQAD_LAUNCH_CHECK(bytes <= dev.smem_optin_bytes, op, kernel_shape_str(kp), "expected ", bytes,
+                    " bytes of shared memory per block, found ", dev.smem_optin_bytes, " on the device");
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(bytes)));
 }
@@ -810,117 +713,62 @@ void set_smem(Kernel kernel, size_t bytes, const DeviceInfo& dev) {
 
 void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
                           cudaStream_t stream) {
-  VQAD_CHECK(dev.arch() == 90, "attn_qat_bwd: the wgmma kernels need sm_90 (built for sm_90a), "
-             "device ", dev.name, " is sm_", dev.arch());
+  const auto shape = [&] { return kernel_shape_str(kp); };
+  VQAD_LAUNCH_CHECK(dev.arch() == 90, kOp, shape(), "no kernel for this device: expected sm_90 (built for sm_90a), "
+                    "found sm_", dev.arch());
   const int kv_blocks = (kp.Lkv + kKeysPerCta - 1) / kKeysPerCta;
-  const int q_blocks = (kp.Lq + kQueriesPerCta - 1) / kQueriesPerCta;
-  if (g_dq_ordered) {
-    const int nq = dq_query_blocks(kp.Lq);
-    const int64_t bh = static_cast<int64_t>(kp.B) * kp.H;
-    VQAD_CHECK(kp.dq_acc != nullptr && kp.dq_sem != nullptr &&
-                   kp.dq_groups == dq_accum_groups(bh, kv_blocks),
-               "attn_qat_bwd (wgmma): dQ accumulation workspace not set up (groups ",
-               kp.dq_groups, ")");
-    DkdvSplitPlan plan = dkdv_split_plan(bh, kv_blocks, kp.Lq);
-    if (!kTailSplit) plan = DkdvSplitPlan{bh * kv_blocks, 0, 1};
-    VQAD_CHECK(plan.tail == 0 || kp.dkv_part != nullptr,
-               "attn_qat_bwd (wgmma): tail-split workspace not set up");
-    const int64_t ctas = bh * kv_blocks + static_cast<int64_t>(plan.tail) * (plan.parts - 1);
-    VQAD_CHECK(ctas <= 0x7fffffff && bh <= 65535,
-               "attn_qat_bwd: batch * heads must be <= 65535 and batch * heads * key blocks "
-               "<= 2^31 - 1 (grid limits), found ", bh, " and ", ctas);
-    KernelParams kq = kp;
-    kq.split_first = static_cast<int>(plan.first);
-    kq.split_parts = plan.parts;
-    VQAD_CUDA_CHECK(cudaMemsetAsync(kp.dq_sem, 0,
-                                    static_cast<size_t>(kp.dq_groups) * bh * nq * sizeof(int), stream));
-    auto launch = [&](auto kernel) {
-      set_smem(kernel, kDkdvqSmem, dev);
-      kernel<<<static_cast<unsigned>(ctas), kThreads, kDkdvqSmem, stream>>>(kq);
-    };
-    switch (mode) {
-      case AttnQatBwdPMode::kConsistent: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kConsistent>); break;
-      case AttnQatBwdPMode::kFastVideo: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kFastVideo>); break;
-      case AttnQatBwdPMode::kNone: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kNone>); break;
-    }
-    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdvq_wgmma_kernel");
-    if (plan.tail > 0) {
-      dkdv_combine_kernel<<<static_cast<unsigned>(plan.tail), 256, 0, stream>>>(kq);
-      VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdv_combine_kernel");
-    }
-    dq_finalize_kernel<<<dim3(nq, static_cast<unsigned>(bh)), 256, 0, stream>>>(kp, nq);
-    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_finalize_kernel");
-    return;
+  const int nq = dq_query_blocks(kp.Lq);
+  const int64_t bh = static_cast<int64_t>(kp.B) * kp.H;
+  VQAD_LAUNCH_CHECK(kp.dq_acc != nullptr && kp.dq_sem != nullptr && kp.dq_groups == dq_accum_groups(bh, kv_blocks),
+                    kOp, shape(), "expected the dQ accumulation workspace of ", dq_accum_groups(bh, kv_blocks),
+                    " groups, found ", kp.dq_groups, " groups at ", kp.dq_acc);
+  const DkdvSplitPlan plan = dkdv_split_plan(bh, kv_blocks, kp.Lq);
+  VQAD_LAUNCH_CHECK(plan.tail == 0 || kp.dkv_part != nullptr, kOp, shape(),
+                    "expected the tail-split workspace, found null");
+  const int64_t ctas = bh * kv_blocks + static_cast<int64_t>(plan.tail) * (plan.parts - 1);
+  VQAD_LAUNCH_CHECK(ctas <= 0x7fffffff && bh <= 65535, kOp, shape(),
+                    "expected batch * heads <= 65535 and batch * heads * key blocks <= 2^31 - 1 (grid limits), "
+                    "found ", bh, " and ", ctas);
+  KernelParams kq = kp;
+  kq.split_first = static_cast<int>(plan.first);
+  kq.split_parts = plan.parts;
+  VQAD_CUDA_CHECK(cudaMemsetAsync(kp.dq_sem, 0,
+                                  static_cast<size_t>(kp.dq_groups) * bh * nq * sizeof(int), stream));
+  auto launch = [&](auto kernel) {
+    set_smem(kOp, kernel, kDkdvqSmem, dev, kp);
+    kernel<<<static_cast<unsigned>(ctas), kThreads, kDkdvqSmem, stream>>>(kq);
+  };
+  switch (mode) {
+    case AttnQatBwdPMode::kConsistent: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kConsistent>); break;
+    case AttnQatBwdPMode::kFastVideo: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kFastVideo>); break;
+    case AttnQatBwdPMode::kNone: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kNone>); break;
   }
-  if (g_single_launch) {
-    const int64_t ctas = static_cast<int64_t>(kp.B) * kp.H * (kv_blocks + q_blocks);
-    VQAD_CHECK(ctas <= 0x7fffffff, "attn_qat_bwd: too many CTAs (", ctas, ")");
-    const size_t smem = std::max(kDkdvSmem, dq_smem(g_dq_key_tile));
-    auto launch = [&](auto kernel) {
-      set_smem(kernel, smem, dev);
-      kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(kp, kv_blocks, q_blocks);
-    };
-    const bool t128 = g_dq_key_tile == 128;
-    switch (mode) {
-      case AttnQatBwdPMode::kConsistent:
-        t128 ? launch(fused_wgmma_kernel<AttnQatBwdPMode::kConsistent, 128>)
-             : launch(fused_wgmma_kernel<AttnQatBwdPMode::kConsistent, 64>);
-        break;
-      case AttnQatBwdPMode::kFastVideo:
-        t128 ? launch(fused_wgmma_kernel<AttnQatBwdPMode::kFastVideo, 128>)
-             : launch(fused_wgmma_kernel<AttnQatBwdPMode::kFastVideo, 64>);
-        break;
-      case AttnQatBwdPMode::kNone:
-        t128 ? launch(fused_wgmma_kernel<AttnQatBwdPMode::kNone, 128>)
-             : launch(fused_wgmma_kernel<AttnQatBwdPMode::kNone, 64>);
-        break;
-    }
-    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd fused_wgmma_kernel");
-    return;
+  VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdvq_wgmma_kernel");
+  if (plan.tail > 0) {
+    dkdv_combine_kernel<<<static_cast<unsigned>(plan.tail), 256, 0, stream>>>(kq);
+    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdv_combine_kernel");
   }
-  {
-    const dim3 grid(kv_blocks, kp.H, kp.B);
-    auto launch = [&](auto kernel) {
-      set_smem(kernel, kDkdvSmem, dev);
-      kernel<<<grid, kThreads, kDkdvSmem, stream>>>(kp);
-    };
-    switch (mode) {
-      case AttnQatBwdPMode::kConsistent: launch(dkdv_wgmma_kernel<AttnQatBwdPMode::kConsistent>); break;
-      case AttnQatBwdPMode::kFastVideo: launch(dkdv_wgmma_kernel<AttnQatBwdPMode::kFastVideo>); break;
-      case AttnQatBwdPMode::kNone: launch(dkdv_wgmma_kernel<AttnQatBwdPMode::kNone>); break;
-    }
-    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdv_wgmma_kernel");
-  }
-  {
-    const dim3 grid(q_blocks, kp.H, kp.B);
-    auto launch = [&](auto kernel, size_t smem) {
-      set_smem(kernel, smem, dev);
-      kernel<<<grid, kThreads, smem, stream>>>(kp);
-    };
-    if (g_dq_key_tile == 64) {
-      launch(dq_wgmma_kernel<64>, dq_smem(64));
-    } else {
-      launch(dq_wgmma_kernel<128>, dq_smem(128));
-    }
-    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_wgmma_kernel");
-  }
+  dq_finalize_kernel<<<dim3(nq, static_cast<unsigned>(bh)), 256, 0, stream>>>(kp, nq);
+  VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_finalize_kernel");
 }
 
 void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, AttnQatBwdPMode mode,
                                 const DeviceInfo& dev, cudaStream_t stream) {
-  VQAD_CHECK(dev.arch() == 90, "attn_qat_bwd (visit lists): the wgmma kernels need sm_90 (built for sm_90a), "
-             "device ", dev.name, " is sm_", dev.arch());
+  const auto shape = [&] { return kernel_shape_str(kp); };
+  VQAD_LAUNCH_CHECK(dev.arch() == 90, kVisitOp, shape(),
+                    "no kernel for this device: expected sm_90 (built for sm_90a), found sm_", dev.arch());
   const int kv_tiles = (kp.Lkv + kKeysPerCta - 1) / kKeysPerCta;
   const int q_tiles = (kp.Lq + kQueriesPerCta - 1) / kQueriesPerCta;
-  VQAD_CHECK(vl.q_entries && vl.q_counts && vl.kv_entries && vl.kv_counts && vl.key_rows && vl.q_stride >= 1 &&
-                 vl.kv_stride >= 1 && vl.kv_tiles == kv_tiles && vl.q_tiles == q_tiles,
-             "attn_qat_bwd (visit lists): lists missing or not of the shape (key tiles ", vl.kv_tiles, " vs ",
-             kv_tiles, ", query tiles ", vl.q_tiles, " vs ", q_tiles, ")");
+  VQAD_LAUNCH_CHECK(vl.q_entries && vl.q_counts && vl.kv_entries && vl.kv_counts && vl.key_rows && vl.q_stride >= 1 &&
+                        vl.kv_stride >= 1 && vl.kv_tiles == kv_tiles && vl.q_tiles == q_tiles,
+                    kVisitOp, shape(), "expected all lists and ", kv_tiles, " key tiles, ", q_tiles,
+                    " query tiles, found ", vl.kv_tiles, " key tiles, ", vl.q_tiles,
+                    " query tiles (a null list or a stride < 1 is also refused)");
   const int64_t ctas = static_cast<int64_t>(kp.B) * kp.H * (kv_tiles + q_tiles);
-  VQAD_CHECK(ctas <= 0x7fffffff, "attn_qat_bwd (visit lists): too many CTAs (", ctas, ")");
-  const size_t smem = std::max(kDkdvSmem, dq_smem(2 * kQueryTile));
+  VQAD_LAUNCH_CHECK(ctas <= 0x7fffffff, kVisitOp, shape(), "expected at most 2^31 - 1 CTAs, found ", ctas);
+  const size_t smem = std::max(kDkdvSmem, kDqSmem);
   auto launch = [&](auto kernel) {
-    set_smem(kernel, smem, dev);
+    set_smem(kVisitOp, kernel, smem, dev, kp);
     kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(kp, vl);
   };
   switch (mode) {
@@ -929,14 +777,6 @@ void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, At
     case AttnQatBwdPMode::kNone: launch(fused_visit_kernel<AttnQatBwdPMode::kNone>); break;
   }
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd fused_visit_kernel");
-}
-
-void set_wgmma_single_launch_for_tuning(bool single) { g_single_launch = single; }
-
-void set_dq_key_tile_for_tuning(int key_tile) {
-  VQAD_CHECK(key_tile == 64 || key_tile == 128, "attn_qat_bwd: dQ key tile must be 64 or 128, found ",
-             key_tile);
-  g_dq_key_tile = key_tile;
 }
 
 }  // namespace vqad::kernels::attn_bwd

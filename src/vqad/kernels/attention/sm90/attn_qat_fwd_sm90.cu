@@ -10,7 +10,7 @@
 // and V read MN-major from shared memory; they run asynchronously while the next
 // 16-key groups' exp2 and quantization execute, and the bf16(P) row sums are a third
 // asynchronous wgmma (m64n8k16 against a block of ones). The two warpgroups are
-// skewed by half a KV tile (see kSkew): the second one finishes the previous tile's
+// skewed by half a KV tile (see kSkewGroups): the second one finishes the previous tile's
 // keys 64-127 after each barrier, so one warpgroup's softmax and quantization run
 // while the other's Q^ K^T occupies the tensor cores; both run the same loop body
 // (only where each waits at the barrier differs). Other targets compile the same
@@ -29,13 +29,11 @@
 #include <cuda_fp8.h>
 
 #include <cmath>
-#include <stdexcept>
 #include <string>
 
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
-#include "vqad/kernels/common/device.h"
 #include "vqad/kernels/common/nvfp4_device.cuh"
 #include "vqad/kernels/common/sm90_ptx.cuh"
 
@@ -53,50 +51,38 @@ constexpr int kCtasPerSm = 128 / kBM;
 static_assert(kBM == 64 || kBM == 128, "BLOCK_M must be 64 or 128");
 constexpr int kChunksPerRow = kD * 2 / 16;  // 16-byte chunks of one 128-channel bf16 row
 
-// Schedule of the wgmma path. Skewed (default): the second warpgroup runs half a KV
-// tile behind the first: after each barrier it finishes the P.V products of keys
-// 64-127 of the previous tile before its own Q^ K^T, so one warpgroup's softmax and
-// P quantization overlap the other's tensor-core work instead of both waiting for
-// Q^ K^T at the same time (K/V triple buffered: V of the previous tile stays
-// resident). 0: both warpgroups in step (K/V double buffered).
-#ifndef VQAD_ATTN_FWD_SKEW
-#define VQAD_ATTN_FWD_SKEW 1
-#endif
-constexpr bool kSkew = VQAD_ATTN_FWD_SKEW != 0;
+// The kernel's parameters: AttnQatFwdParams with each view's pointer and strides apart,
+// filled by the launcher after its checks.
+struct FwdKernelParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  BlhdStrides q_stride, k_stride, v_stride;
+  void* o;
+  void* o_hp;  // may be null
+  BlhdStrides o_stride, o_hp_stride;
+  float* m;  // may be null
+  float* l;  // may be null
+  int batch, heads, len_q, len_kv, head_dim;
+  float softmax_scale;
+  bool quant_p;
+};
+
+// Schedule of the wgmma path (sm_90a), as named constants: the second warpgroup runs
+// half a KV tile behind the first: after each barrier it finishes the P.V products of
+// keys 64-127 of the previous tile before its own Q^ K^T, so one warpgroup's softmax
+// and P quantization overlap the other's tensor-core work instead of both waiting for
+// Q^ K^T at the same time. K/V are triple buffered (V of the previous tile stays
+// resident). Both warpgroups run one loop body (4.80 vs 5.04 ms at (1,3,31200) on an
+// H200 for one loop per warpgroup, which stalls on instruction fetch); the row sums
+// of bf16(P) are an asynchronous wgmma m64n8k16 of the P fragments against a tile of
+// ones, queued with the P.V products; P^ = e2m1(P / S) * S takes its final product in
+// bf16x2 (exact: at most 6 significant bits). docs/performance.md has the measured
+// alternatives.
+constexpr int kStages = 3;
 // 16-key groups the second warpgroup computes before the barrier (the rest after it).
-#ifndef VQAD_ATTN_FWD_SKEW_GROUPS
-#define VQAD_ATTN_FWD_SKEW_GROUPS 4
-#endif
-constexpr int kSkewGroups = VQAD_ATTN_FWD_SKEW_GROUPS;
-// 16-key groups quantized together before their P.V wgmmas are issued (1, 2 or 4).
-#ifndef VQAD_ATTN_FWD_GROUP_STEP
-#define VQAD_ATTN_FWD_GROUP_STEP 1
-#endif
-constexpr int kGroupStep = VQAD_ATTN_FWD_GROUP_STEP;
-// Row sums of bf16(P) on the skewed path: 1 = an asynchronous wgmma m64n8k16 of the P
-// fragments against a tile of ones (queued with the P.V products); 0 = mma.sync
-// against ones (a dependent chain of synchronous tensor-core instructions).
-#ifndef VQAD_ATTN_FWD_ROWSUM_WGMMA
-#define VQAD_ATTN_FWD_ROWSUM_WGMMA 1
-#endif
-constexpr bool kRowsumWgmma = VQAD_ATTN_FWD_ROWSUM_WGMMA != 0 && kSkew;
-// Skewed schedule as one loop body for both warpgroups (1: 4.80 vs 5.04 ms at
-// (1,3,31200) on an H200, the two-loop form stalls on instruction fetch) or one
-// loop per warpgroup (0).
-#ifndef VQAD_ATTN_FWD_UNIFIED
-#define VQAD_ATTN_FWD_UNIFIED 1
-#endif
-constexpr bool kUnifiedLoop = VQAD_ATTN_FWD_UNIFIED != 0;
-constexpr int kStages = kSkew ? 3 : 2;
-static_assert(kSkewGroups > 0 && kSkewGroups < kAttnQatBlockN / 16 &&
-                  (kGroupStep == 1 || kGroupStep == 2 || kGroupStep == 4),
-              "forward schedule knobs out of range");
-// P^ = e2m1(P / S) * S with the final product in bf16x2 (exact: at most 6 significant
-// bits) instead of two fp32 products and a conversion.
-#ifndef VQAD_ATTN_FWD_BF16_SCALE
-#define VQAD_ATTN_FWD_BF16_SCALE 1
-#endif
-constexpr bool kBf16Scale = VQAD_ATTN_FWD_BF16_SCALE != 0;
+constexpr int kSkewGroups = 4;
+static_assert(kSkewGroups > 0 && kSkewGroups < kAttnQatBlockN / 16, "skew: 1 to 7 groups before the barrier");
 
 using sm90::smem_addr;
 
@@ -111,14 +97,14 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
 }
 
 // wgmma exists only in the arch-specific sm_90a target; other targets (sm_100a,
-// sm_120a builds) compile the mma.sync path of the same kernel.
+// sm_120a builds) compile the mma.sync loop of the same kernel.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define VQAD_ATTN_FWD_WGMMA 1
+#define VQAD_FWD_SM90A 1
 #else
-#define VQAD_ATTN_FWD_WGMMA 0
+#define VQAD_FWD_SM90A 0
 #endif
 
-#if VQAD_ATTN_FWD_WGMMA
+#if VQAD_FWD_SM90A
 // wgmma shared-memory descriptor for the layout above (K-major, 128-byte swizzle):
 // start address >> 4, leading offset unused (1), stride offset 1024 B between 8-row
 // atoms, swizzle mode 1 (128 B) in bits 62-63.
@@ -131,63 +117,6 @@ using sm90::fence_proxy_async;  // cp.async writes -> the async proxy wgmma read
 using sm90::wgmma_commit;
 using sm90::wgmma_fence;
 __device__ __forceinline__ void wgmma_wait0() { sm90::wgmma_wait<0>(); }
-
-// D[64 x N] += A[64 x 16] . B[16 x N] (N = 64 or 128 keys), both operands from shared
-// memory (bf16, fp32 accumulate). Per warp the accumulator is 16 rows x N columns in
-// the same register order as N/8 m16n8 mma.sync accumulators, d[n8 slice][4].
-template <int NT>
-__device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uint64_t desc_b) {
-  static_assert(NT == 8 || NT == 16, "wgmma_ss: N must be 64 or 128");
-  if constexpr (NT == 8) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(desc_a), "l"(desc_b), "r"(1));  // scale-d = 1: accumulate into d
-  } else {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "l"(desc_a), "l"(desc_b), "r"(1));  // scale-d = 1: accumulate into d
-  }
-}
 
 // D[64 x 128] += A[64 x 16] . B[16 x 128] with A from registers (per warp the
 // m16n8k16 A fragment: 16 rows x 16 keys as 4 bf16x2) and B from shared memory in
@@ -226,7 +155,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uin
 }
 
 // D[64 x 128] (+)= A[64 x 16] . B[16 x 128] into the n8 slices [OFF, OFF + 16) of d, both
-// operands from shared memory; scale_d = 0 overwrites D (the first k-step).
+// operands from shared memory (bf16, fp32 accumulate); scale_d = 0 overwrites D (the
+// first k-step). Per warp the accumulator is 16 rows x 128 columns in the same register
+// order as 16 m16n8 mma.sync accumulators, d[n8 slice][4].
 template <int OFF>
 __device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   static_assert(OFF >= 0 && OFF + 16 <= 16, "slice out of range");
@@ -282,7 +213,7 @@ __device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((ROWS * 128) >> 4) << 16) |
          (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
-#endif  // VQAD_ATTN_FWD_WGMMA
+#endif  // VQAD_FWD_SM90A
 
 using sm90::cp_async16;
 using sm90::cp_async_commit;
@@ -300,19 +231,11 @@ using nvfp4_device::div6;
 // (S, RN(1/S)) for every E4M3 byte: a shared-memory lookup replaces the IEEE
 // reciprocal routine per 16-key group. Byte 0 gives (0, inf), the zero block.
 constexpr int kScaleTableBytes = 128 * 8;
-// bf16 ones for the row-sum wgmma (kRowsumWgmma): the 16 x 8 B operand's two core
-// matrices.
+// bf16 ones for the row-sum wgmma: the 16 x 8 B operand's two core matrices.
 constexpr int kOnesBytes = 256;
 
 using nvfp4_device::e2m1_rne_magnitude;  // nearest E2M1 magnitude, ties to even, saturating at 6
 using nvfp4_device::e4m3_bytes2;
-
-// P >= 0 and finite. With amax <= 6 * 2^-10 the scale S rounds to 0: inv = inf,
-// every element saturates to 6 (0 * inf = NaN included) and 6 * 0 = +0, which is
-// the spec's zero block without a branch.
-__device__ __forceinline__ float fq_p(float p, float S, float inv) {
-  return e2m1_rne_magnitude(p * inv) * S;
-}
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t r;
@@ -322,8 +245,12 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
 
 // bf16 fragments of P (pa) and P^ (qa) of one 16-key group, from the S accumulator
 // slices sa (keys 0-7) and sb (keys 8-15), and the bf16(P) row sums added into lacc.
-// table[b] = (S, 1/S) of E4M3 byte b, or with kBf16Scale (bf16x2 bits of (S, S), 1/S).
-template <bool QUANT_P, bool ROWSUM_MMA = true>
+// table[b] = (bf16x2 bits of (S, S), RN(1/S)) of E4M3 byte b. P >= 0 and finite; with
+// amax <= 6 * 2^-10 the scale S rounds to 0: 1/S = inf, every element saturates to 6
+// (0 * inf = NaN included) and 6 * 0 = +0, which is the spec's zero block without a
+// branch. ROWSUM_MMA: the row sums by mma.sync against ones (the mma.sync loop; the
+// wgmma schedule queues them as a wgmma instead).
+template <bool QUANT_P, bool ROWSUM_MMA>
 __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&sb)[4], float c, float neg0,
                                             float neg1, const float2* table, float (&lacc)[4], uint32_t (&pa)[4],
                                             uint32_t (&qa)[4]) {
@@ -354,25 +281,18 @@ __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&
     const uint32_t sbytes = e4m3_bytes2(div6(am0), div6(am1));
     const float2 s0 = table[sbytes & 0x7F];
     const float2 s1 = table[(sbytes >> 8) & 0x7F];
-    if constexpr (kBf16Scale) {
-      const uint32_t S0 = __float_as_uint(s0.x), S1 = __float_as_uint(s1.x);
-      qa[0] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[0] * s0.y), e2m1_rne_magnitude(pr[1] * s0.y)), S0);
-      qa[1] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[4] * s1.y), e2m1_rne_magnitude(pr[5] * s1.y)), S1);
-      qa[2] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[2] * s0.y), e2m1_rne_magnitude(pr[3] * s0.y)), S0);
-      qa[3] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[6] * s1.y), e2m1_rne_magnitude(pr[7] * s1.y)), S1);
-    } else {
-      qa[0] = pack_bf16(fq_p(pr[0], s0.x, s0.y), fq_p(pr[1], s0.x, s0.y));
-      qa[1] = pack_bf16(fq_p(pr[4], s1.x, s1.y), fq_p(pr[5], s1.x, s1.y));
-      qa[2] = pack_bf16(fq_p(pr[2], s0.x, s0.y), fq_p(pr[3], s0.x, s0.y));
-      qa[3] = pack_bf16(fq_p(pr[6], s1.x, s1.y), fq_p(pr[7], s1.x, s1.y));
-    }
+    const uint32_t S0 = __float_as_uint(s0.x), S1 = __float_as_uint(s1.x);
+    qa[0] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[0] * s0.y), e2m1_rne_magnitude(pr[1] * s0.y)), S0);
+    qa[1] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[4] * s1.y), e2m1_rne_magnitude(pr[5] * s1.y)), S1);
+    qa[2] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[2] * s0.y), e2m1_rne_magnitude(pr[3] * s0.y)), S0);
+    qa[3] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[6] * s1.y), e2m1_rne_magnitude(pr[7] * s1.y)), S1);
   } else {
 #pragma unroll
     for (int e = 0; e < 4; ++e) qa[e] = pa[e];
   }
 }
 
-#if VQAD_ATTN_FWD_WGMMA
+#if VQAD_FWD_SM90A
 // S = Q^ K^T of one warpgroup (64 rows) against a whole K tile: 8 k-steps over the
 // head dim, the first overwriting S; waited for before returning.
 template <int BN>
@@ -388,31 +308,23 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uin
   wgmma_wait0();
 }
 
-// P, P^ of the 16-key groups [KS0, KS1) of S and their P.V wgmmas (asynchronous: the
-// tensor cores work on some groups while the next groups' exp2 and quantization run).
-// kGroupStep groups are computed together before their wgmmas: independent
-// dependency chains (shuffles, scale lookups) that the scheduler interleaves.
+// P, P^ of the 16-key groups [KS0, KS1) of S and their P.V and row-sum wgmmas
+// (asynchronous: the tensor cores work on one group while the next group's exp2 and
+// quantization run).
 template <int KS0, int KS1, bool QUANT_P, int BN>
 __device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[16][4], float (&acch)[16][4],
                                           float (&lacc)[4], const float (&m_run)[2], float c, uint32_t sV,
                                           const float2* table, uint64_t ones_desc) {
-  static_assert((KS1 - KS0) % kGroupStep == 0, "group range not a multiple of the step");
   const float neg0 = -m_run[0], neg1 = -m_run[1];
 #pragma unroll
-  for (int ks = KS0; ks < KS1; ks += kGroupStep) {
-    uint32_t pa[kGroupStep][4], qa[kGroupStep][4];
-#pragma unroll
-    for (int u = 0; u < kGroupStep; ++u)
-      p_fragments<QUANT_P, !kRowsumWgmma>(s[2 * (ks + u)], s[2 * (ks + u) + 1], c, neg0, neg1, table, lacc, pa[u],
-                                          qa[u]);
+  for (int ks = KS0; ks < KS1; ++ks) {
+    uint32_t pa[4], qa[4];
+    p_fragments<QUANT_P, false>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, table, lacc, pa, qa);
     wgmma_fence();
-#pragma unroll
-    for (int u = 0; u < kGroupStep; ++u) {
-      const uint64_t dv = wgmma_desc_mn<BN>(sV + (ks + u) * 16 * 128);
-      wgmma_m64n128k16_rs(acc, qa[u], dv);
-      if constexpr (QUANT_P) wgmma_m64n128k16_rs(acch, pa[u], dv);
-      if constexpr (kRowsumWgmma) wgmma_m64n8k16_rs(lacc, pa[u], ones_desc);
-    }
+    const uint64_t dv = wgmma_desc_mn<BN>(sV + ks * 16 * 128);
+    wgmma_m64n128k16_rs(acc, qa, dv);
+    if constexpr (QUANT_P) wgmma_m64n128k16_rs(acch, pa, dv);
+    wgmma_m64n8k16_rs(lacc, pa, ones_desc);
   }
   wgmma_commit();
 }
@@ -456,7 +368,7 @@ struct DenseKv {
   static constexpr bool kCanIdle = false;  // every warpgroup computes its rows
   Tile tk, tv;
   int len;
-  __device__ __forceinline__ static DenseKv make(const AttnQatFwdParams& p, const AttnQatFwdVisit&, int b, int h,
+  __device__ __forceinline__ static DenseKv make(const FwdKernelParams& p, const AttnQatFwdVisit&, int b, int h,
                                                  int) {
     using bf = __nv_bfloat16;
     return DenseKv{{static_cast<const bf*>(p.k) + b * p.k_stride.b + h * p.k_stride.h, p.k_stride.l, p.len_kv},
@@ -502,7 +414,7 @@ struct VisitKv {
   int pf0, pf1;            // entries of the next tile load() issues
   const int32_t* q_rows;   // valid rows of this query tile's two 64-row blocks, or null
   __device__ __forceinline__ int entry(int i) const { return i < count ? __ldg(entries + i) : 0; }
-  __device__ __forceinline__ static VisitKv make(const AttnQatFwdParams& p, const AttnQatFwdVisit& v, int b, int h,
+  __device__ __forceinline__ static VisitKv make(const FwdKernelParams& p, const AttnQatFwdVisit& v, int b, int h,
                                                  int m_block) {
     using bf = __nv_bfloat16;
     const int64_t row = (static_cast<int64_t>(b) * p.heads + h) * gridDim.x + m_block;
@@ -577,9 +489,9 @@ struct VisitKv {
   }
 };
 
-template <int BN, bool QUANT_P, bool WGMMA_S, bool WGMMA_PV, class KV>
+template <int BN, bool QUANT_P, class KV>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    attn_qat_fwd_kernel(const AttnQatFwdParams p, float scale_log2, const AttnQatFwdVisit visit) {
+    attn_qat_fwd_kernel(const FwdKernelParams p, float scale_log2, const AttnQatFwdVisit visit) {
   constexpr int kNT = BN / 8;   // n8 tiles of S per warp
   constexpr int kKS = BN / 16;  // k16 steps of P.V
   constexpr int kDT = kD / 8;   // n8 tiles of O
@@ -604,15 +516,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   if (QUANT_P && tid < 128) {
     const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
-    const float Sx = kBf16Scale ? __uint_as_float(pack_bf16(S, S)) : S;
-    scale_table[tid] = make_float2(Sx, __frcp_rn(S));
+    scale_table[tid] = make_float2(__uint_as_float(pack_bf16(S, S)), __frcp_rn(S));
   }
   // bf16 ones after the scale table (row-sum wgmma), visible after the first barrier
   const uint32_t sOnes = smem_addr(scale_table) + kScaleTableBytes;
-  if (kRowsumWgmma && tid < kOnesBytes / 4) {
+  if (tid < kOnesBytes / 4) {
     reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(scale_table) + kScaleTableBytes)[tid] = 0x3F803F80u;
   }
-#if VQAD_ATTN_FWD_WGMMA
+#if VQAD_FWD_SM90A
   const uint64_t ones_desc = wgmma_desc_plain(sOnes);
 #else
   (void)sOnes;
@@ -657,14 +568,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   float lacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
   const int n_tiles = kv.template n_tiles<BN>();
-#if VQAD_ATTN_FWD_WGMMA
-  constexpr bool kPipe = WGMMA_S && WGMMA_PV && kSkew;
-#else
-  constexpr bool kPipe = false;
-#endif
+  // sm_90a: the skewed wgmma schedule; other targets: the mma.sync loop below.
+  constexpr bool kWgmmaSchedule = VQAD_FWD_SM90A != 0;
   bool idle_wg = false;  // KV::idle: this warpgroup only loads and meets the barriers
-  if constexpr (kPipe) {
-#if VQAD_ATTN_FWD_WGMMA
+  if constexpr (kWgmmaSchedule) {
+#if VQAD_FWD_SM90A
     static_assert(BN == 128 && kStages == 3, "skewed schedule: BLOCK_N 128, 3 stages");
     static_assert(kSkewGroups > 0 && kSkewGroups < kKS, "skew: 1 to 7 groups before the barrier");
     // Broadcast from lane 0 so that ptxas sees the warpgroup index as warp-uniform
@@ -727,15 +635,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       }
       cp_async_commit();
     };
-    if constexpr (kUnifiedLoop) {
-      // One loop body for both warpgroups (half the SASS of the two loops below, which
-      // stall on instruction fetch); only the barrier positions depend on wg.
-      if (KV::kCanIdle && idle_wg) {
-        // Either warpgroup meets barriers 0 .. n_tiles in this order; an idle one only
-        // loads its share of each tile at them.
+    // One loop body for both warpgroups; only the barrier positions depend on wg.
+    if (KV::kCanIdle && idle_wg) {
+      // Either warpgroup meets barriers 0 .. n_tiles in this order; an idle one only
+      // loads its share of each tile at them.
 #pragma unroll 1
-        for (int k = 0; k <= n_tiles; ++k) barrier_and_load(k);
-      } else {
+      for (int k = 0; k <= n_tiles; ++k) barrier_and_load(k);
+    } else {
       if (wg == 1) barrier_and_load(0);
 #pragma unroll 1
       for (int j = 0; j < n_tiles; ++j) {
@@ -753,41 +659,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         wgmma_wait0();
       }
       if (wg == 0) barrier_and_load(n_tiles);
-      }  // not idle
-    } else if (wg == 0) {
-      // barrier j | S(j), softmax, all 8 groups of tile j
-#pragma unroll 1
-      for (int j = 0; j < n_tiles; ++j) {
-        barrier_and_load(j);
-        const uint32_t sK = sKV0 + (j % 3) * 2 * kTileBytes;
-        scores(j, sK);
-        pv_groups<0, kKS, QUANT_P, BN>(s, acc, acch_ref, lacc, m_run, scale_log2, sK + kTileBytes, scale_table, ones_desc);
-        wgmma_wait0();
-      }
-      barrier_and_load(n_tiles);  // pairs with the second warpgroup's last barrier
-    } else {
-      // S(j), softmax, groups [0, kSkewGroups) of tile j | barrier j + 1 | the rest of tile j
-      barrier_and_load(0);
-#pragma unroll 1
-      for (int j = 0; j < n_tiles; ++j) {
-        const uint32_t sK = sKV0 + (j % 3) * 2 * kTileBytes;
-        scores(j, sK);
-        pv_groups<0, kSkewGroups, QUANT_P, BN>(s, acc, acch_ref, lacc, m_run, scale_log2, sK + kTileBytes,
-                                               scale_table, ones_desc);
-        wgmma_wait0();
-        barrier_and_load(j + 1);
-        pv_groups<kSkewGroups, kKS, QUANT_P, BN>(s, acc, acch_ref, lacc, m_run, scale_log2, sK + kTileBytes,
-                                                 scale_table, ones_desc);
-        wgmma_wait0();
-      }
-    }
+    }  // not idle
 #endif
   } else {
+  // mma.sync m16n8k16 + ldmatrix, K/V double buffered (two of the stages).
   for (int j = 0; j < n_tiles; ++j) {
     cp_async_wait<0>();
-#if VQAD_ATTN_FWD_WGMMA
-    if constexpr (WGMMA_S) fence_proxy_async();
-#endif
     __syncthreads();  // tile j visible to all; every warp is done with tile j-1's buffer
     if (j + 1 < n_tiles) {
       const uint32_t next = sKV0 + ((j + 1) & 1) * 2 * kTileBytes;
@@ -805,37 +682,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     for (int i = 0; i < kNT; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[i][e] = 0.0f;
-#if VQAD_ATTN_FWD_WGMMA
-    constexpr bool kWgmma = WGMMA_S;
-#else
-    constexpr bool kWgmma = false;
-#endif
-    if constexpr (kWgmma) {
-#if VQAD_ATTN_FWD_WGMMA
-      // Each warpgroup multiplies its 64 query rows by the whole K tile.
-      const uint32_t a_base = sQ + (warp / 4) * 64 * 128;
-      wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        const uint32_t koff = (kk & 3) * 32;
-        wgmma_ss(s, wgmma_desc(a_base + (kk >> 2) * kBM * 128 + koff),
-                 wgmma_desc(sK + (kk >> 2) * BN * 128 + koff));
-      }
-      wgmma_commit();
-      wgmma_wait0();
-#endif
-    } else {
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t qa[4];
+      ldmatrix_x4(qa, (q_lane ^ ((kk & 3) * 32)) + (kk >> 2) * kBM * 128);
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t qa[4];
-        ldmatrix_x4(qa, (q_lane ^ ((kk & 3) * 32)) + (kk >> 2) * kBM * 128);
-#pragma unroll
-        for (int n2 = 0; n2 < kNT / 2; ++n2) {
-          uint32_t kb[4];
-          ldmatrix_x4(kb, (k_base ^ ((kk & 3) * 32)) + (kk >> 2) * BN * 128 + n2 * 16 * 128);
-          mma_bf16(s[2 * n2], qa, kb[0], kb[1]);
-          mma_bf16(s[2 * n2 + 1], qa, kb[2], kb[3]);
-        }
+      for (int n2 = 0; n2 < kNT / 2; ++n2) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, (k_base ^ ((kk & 3) * 32)) + (kk >> 2) * BN * 128 + n2 * 16 * 128);
+        mma_bf16(s[2 * n2], qa, kb[0], kb[1]);
+        mma_bf16(s[2 * n2 + 1], qa, kb[2], kb[3]);
       }
     }
 
@@ -887,46 +743,22 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
 
     // ---- P, P^ and the two P.V products, one 16-key group at a time ----
-#if VQAD_ATTN_FWD_WGMMA
-    constexpr bool kWgmmaPV = WGMMA_PV;
-#else
-    constexpr bool kWgmmaPV = false;
-#endif
 #pragma unroll
     for (int ks = 0; ks < kKS; ++ks) {
       // this lane's keys of the group: row g -> p[0..3], row g + 8 -> p[4..7]
       uint32_t pa[4], qa[4];
-      p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], scale_log2, neg0, neg1, scale_table, lacc, pa, qa);
-      if constexpr (kWgmmaPV) {
-#if VQAD_ATTN_FWD_WGMMA
-        // Asynchronous: the tensor cores work on this group while the next group's
-        // exp2 and quantization run. The fence orders the fragment (and, at ks 0,
-        // the rescaled accumulator) register writes before the wgmma reads them.
-        wgmma_fence();
-        const uint64_t dv = wgmma_desc_mn<BN>(sV + ks * 16 * 128);
-        wgmma_m64n128k16_rs(acc, qa, dv);
-        if constexpr (QUANT_P) wgmma_m64n128k16_rs(acch, pa, dv);
-#endif
-      } else {
+      p_fragments<QUANT_P, true>(s[2 * ks], s[2 * ks + 1], scale_log2, neg0, neg1, scale_table, lacc, pa, qa);
 #pragma unroll
-        for (int d2 = 0; d2 < kDT / 2; ++d2) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, (v_base ^ ((d2 & 3) * 32)) + (d2 >> 2) * BN * 128 + ks * 16 * 128);
-          mma_bf16(acc[2 * d2], qa, vb[0], vb[1]);
-          mma_bf16(acc[2 * d2 + 1], qa, vb[2], vb[3]);
-          if constexpr (QUANT_P) {
-            mma_bf16(acch[2 * d2], pa, vb[0], vb[1]);
-            mma_bf16(acch[2 * d2 + 1], pa, vb[2], vb[3]);
-          }
+      for (int d2 = 0; d2 < kDT / 2; ++d2) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, (v_base ^ ((d2 & 3) * 32)) + (d2 >> 2) * BN * 128 + ks * 16 * 128);
+        mma_bf16(acc[2 * d2], qa, vb[0], vb[1]);
+        mma_bf16(acc[2 * d2 + 1], qa, vb[2], vb[3]);
+        if constexpr (QUANT_P) {
+          mma_bf16(acch[2 * d2], pa, vb[0], vb[1]);
+          mma_bf16(acch[2 * d2 + 1], pa, vb[2], vb[3]);
         }
       }
-    }
-    if constexpr (kWgmmaPV) {
-#if VQAD_ATTN_FWD_WGMMA
-      // acc/acch are rescaled and V's buffer refilled only after this completes.
-      wgmma_commit();
-      wgmma_wait0();
-#endif
     }
   }
   cp_async_wait<0>();
@@ -975,75 +807,61 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
 }
 
+constexpr const char* kOp = "attn_qat_fwd";
+constexpr const char* kVisitOp = "attn_qat_fwd_visit";
+
 std::string shape_str(const AttnQatFwdParams& p) {
-  return "B=" + std::to_string(p.batch) + " H=" + std::to_string(p.heads) + " Lq=" + std::to_string(p.len_q) +
-         " Lkv=" + std::to_string(p.len_kv) + " D=" + std::to_string(p.head_dim);
+  return attention_shape_str(p.batch, p.heads, p.len_q, p.len_kv, p.head_dim);
 }
-
-void check_strides(const char* name, const void* ptr, const BlhdStrides& s, const AttnQatFwdParams& p) {
-  const std::string where = std::string("attn_qat_fwd: ") + name + " (" + shape_str(p) + ")";
-  if (ptr == nullptr) throw std::runtime_error(where + ": null pointer");
-  if (s.d != 1) throw std::runtime_error(where + ": head-dim stride must be 1, got " + std::to_string(s.d));
-  if (s.b % 8 != 0 || s.l % 8 != 0 || s.h % 8 != 0)
-    throw std::runtime_error(where + ": strides (b=" + std::to_string(s.b) + ", l=" + std::to_string(s.l) +
-                             ", h=" + std::to_string(s.h) + ") must be multiples of 8 elements");
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw std::runtime_error(where + ": pointer not 16-byte aligned");
-}
-
-// S = Q^ K^T through wgmma with both operands in shared memory (sm_90a).
-constexpr bool kUseWgmmaForS = true;
-// P.V through wgmma with P from registers and V from shared memory (sm_90a).
-constexpr bool kUseWgmmaForPV = true;
 
 template <int BN, bool QUANT_P, class KV>
-void launch_impl(const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit, cudaStream_t stream) {
-  auto kernel = attn_qat_fwd_kernel<BN, QUANT_P, kUseWgmmaForS, kUseWgmmaForPV, KV>;
+void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit,
+                 cudaStream_t stream) {
+  auto kernel = attn_qat_fwd_kernel<BN, QUANT_P, KV>;
   // Q, two K/V stages, the scale table, and room to align the start to 1024 bytes.
-  const int smem = (kBM + 2 * kStages * BN) * kD * 2 + kScaleTableBytes + (kRowsumWgmma ? kOnesBytes : 0) + 1024;
+  const int smem = (kBM + 2 * kStages * BN) * kD * 2 + kScaleTableBytes + kOnesBytes + 1024;
   // Validated on sm_90 (H100/H200) only; other arches would run the untested
   // mma.sync build of this kernel, so they are refused rather than guessed at.
   int device = 0, major = 0, minor = 0;
   VQAD_CUDA_CHECK(cudaGetDevice(&device));
   VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) {
-    const DeviceInfo dev = device_info(device);
-    throw std::runtime_error("attn_qat_fwd: no kernel for " + dev.name + " (sm_" + std::to_string(dev.arch()) +
-                             "; this kernel is for sm_90), shape " + shape_str(p));
-  }
+  VQAD_LAUNCH_CHECK(major == 9 && minor == 0, op, shape_str(p), "no kernel for this device: expected sm_90, found sm_",
+                    major, minor);
   cudaFuncAttributes attr{};
   const cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    const DeviceInfo dev = device_info();
-    throw std::runtime_error("attn_qat_fwd: no kernel image for " + dev.name + " (sm_" + std::to_string(dev.arch()) +
-                             "), shape " + shape_str(p) + ": " + cudaGetErrorString(err));
+    launch_fail(op, shape_str(p), "no kernel image for this device in the build (", cudaGetErrorString(err),
+                "): expected one for sm_90a");
   }
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const FwdKernelParams kp{p.q.data,    p.k.data,      p.v.data,   p.q.stride, p.k.stride,
+                           p.v.stride,  p.o.data,      p.o_hp.data, p.o.stride, p.o_hp.stride,
+                           p.m,         p.l,           p.batch,    p.heads,    p.len_q,
+                           p.len_kv,    p.head_dim,    p.softmax_scale, p.quant_p};
   const dim3 grid((p.len_q + kBM - 1) / kBM, p.heads, p.batch);
-  kernel<<<grid, kThreads, smem, stream>>>(p, scale_log2, visit);
+  kernel<<<grid, kThreads, smem, stream>>>(kp, scale_log2, visit);
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_fwd_kernel");
 }
 
 // Checks shared by both KV sources; returns scale * log2(e).
-float check_fwd_params(const AttnQatFwdParams& p) {
-  if (p.head_dim != kD)
-    throw std::runtime_error("attn_qat_fwd: head dim " + std::to_string(p.head_dim) + " is not supported (only " +
-                             std::to_string(kD) + "), shape " + shape_str(p));
-  if (p.batch <= 0 || p.heads <= 0 || p.len_q <= 0 || p.len_kv <= 0 || p.heads > 65535 || p.batch > 65535)
-    throw std::runtime_error("attn_qat_fwd: unsupported shape " + shape_str(p) +
-                             " (sizes must be positive; B, H <= 65535)");
-  check_strides("q", p.q, p.q_stride, p);
-  check_strides("k", p.k, p.k_stride, p);
-  check_strides("v", p.v, p.v_stride, p);
-  check_strides("o", p.o, p.o_stride, p);
-  if (p.o_hp != nullptr) check_strides("o_hp", p.o_hp, p.o_hp_stride, p);
-  if (p.quant_p && p.o_hp == nullptr)
-    throw std::runtime_error("attn_qat_fwd: quant_p needs o_hp (the backward's delta uses it), shape " + shape_str(p));
+float check_fwd_params(const char* op, const AttnQatFwdParams& p) {
+  const auto shape = [&] { return shape_str(p); };
+  VQAD_LAUNCH_CHECK(p.head_dim == kD, op, shape(), "expected head dim ", kD, ", found ", p.head_dim);
+  VQAD_LAUNCH_CHECK(p.batch > 0 && p.heads > 0 && p.len_q > 0 && p.len_kv > 0 && p.heads <= 65535 &&
+                        p.batch <= 65535,
+                    op, shape(), "unsupported shape: expected positive sizes and B, H <= 65535");
+  check_blhd(op, "q", p.q, shape);
+  check_blhd(op, "k", p.k, shape);
+  check_blhd(op, "v", p.v, shape);
+  check_blhd(op, "o", p.o, shape);
+  if (p.o_hp.data != nullptr) check_blhd(op, "o_hp", p.o_hp, shape);
+  VQAD_LAUNCH_CHECK(!p.quant_p || p.o_hp.data != nullptr, op, shape(),
+                    "tensor o_hp: expected a device pointer with quant_p (the backward's delta uses it), found null");
   // The kernel takes row maxima before scaling, which needs a positive scale.
-  if (!(p.softmax_scale >= 0.0f) || !std::isfinite(p.softmax_scale))
-    throw std::runtime_error("attn_qat_fwd: softmax_scale must be finite and >= 0 (0: 1/sqrt(D)), got " +
-                             std::to_string(p.softmax_scale) + ", shape " + shape_str(p));
+  VQAD_LAUNCH_CHECK(p.softmax_scale >= 0.0f && std::isfinite(p.softmax_scale), op, shape(),
+                    "expected a finite softmax_scale >= 0 (0: 1/sqrt(D)), found ", p.softmax_scale);
   const float scale = p.softmax_scale != 0.0f ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
   return scale * 1.4426950408889634f;
 }
@@ -1051,26 +869,26 @@ float check_fwd_params(const AttnQatFwdParams& p) {
 }  // namespace
 
 void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
-  const float scale_log2 = check_fwd_params(p);
+  const float scale_log2 = check_fwd_params(kOp, p);
   const AttnQatFwdVisit none{};
   if (p.quant_p)
-    launch_impl<kAttnQatBlockN, true, DenseKv>(p, scale_log2, none, stream);
+    launch_impl<kAttnQatBlockN, true, DenseKv>(kOp, p, scale_log2, none, stream);
   else
-    launch_impl<kAttnQatBlockN, false, DenseKv>(p, scale_log2, none, stream);
+    launch_impl<kAttnQatBlockN, false, DenseKv>(kOp, p, scale_log2, none, stream);
 }
 
 void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit& visit, cudaStream_t stream) {
-  const float scale_log2 = check_fwd_params(p);
-  if (visit.entries == nullptr || visit.counts == nullptr || visit.stride < 1)
-    throw std::runtime_error("attn_qat_fwd_visit: visit lists missing (entries/counts null or stride " +
-                             std::to_string(visit.stride) + " < 1), shape " + shape_str(p));
-  if (p.len_kv > (static_cast<int64_t>(kAttnQatVisitMaxBlock) + 1) * kAttnQatVisitBlockRows)
-    throw std::runtime_error("attn_qat_fwd_visit: len_kv " + std::to_string(p.len_kv) +
-                             " has more 64-row blocks than a visit entry holds, shape " + shape_str(p));
+  const float scale_log2 = check_fwd_params(kVisitOp, p);
+  VQAD_LAUNCH_CHECK(visit.entries != nullptr && visit.counts != nullptr && visit.stride >= 1, kVisitOp, shape_str(p),
+                    "expected visit lists (entries, counts, stride >= 1), found entries ", visit.entries,
+                    ", counts ", visit.counts, ", stride ", visit.stride);
+  VQAD_LAUNCH_CHECK(p.len_kv <= (static_cast<int64_t>(kAttnQatVisitMaxBlock) + 1) * kAttnQatVisitBlockRows, kVisitOp,
+                    shape_str(p), "expected at most ", kAttnQatVisitMaxBlock + 1,
+                    " 64-row blocks (what a visit entry holds), found len_kv ", p.len_kv);
   if (p.quant_p)
-    launch_impl<kAttnQatBlockN, true, VisitKv>(p, scale_log2, visit, stream);
+    launch_impl<kAttnQatBlockN, true, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
   else
-    launch_impl<kAttnQatBlockN, false, VisitKv>(p, scale_log2, visit, stream);
+    launch_impl<kAttnQatBlockN, false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
 }
 
 }  // namespace vqad::kernels::attention
