@@ -77,6 +77,19 @@ struct DistTrain : ::testing::Test {
     const std::string cmd = "train " + recipe.string() + " --device cpu --no-progress --dist-timeout 60" + extra;
     return test_dist::run_vqad(world == 1 ? cmd : "launch --nproc " + std::to_string(world) + " " + cmd, log);
   }
+
+  struct Leg {
+    int world, sp, shard;
+  };
+  // Trains `legs` in turn into one output directory, 2 steps each with a checkpoint every 2,
+  // each leg resuming the previous one's, and compares with one uninterrupted process. The
+  // legs stop early by running with a smaller max_train_steps. A cosine schedule is computed
+  // over max_train_steps, so each leg would follow a different LR curve from its first
+  // post-warmup update on (a 4-step leg decays to zero at step 4, ~1% off the 6-step run at
+  // step 5, on any world size, one process included). The legs therefore use a schedule that
+  // does not depend on the total: constant after the warmup.
+  void expect_resume_chain(const std::string& name, const std::string& dir, const std::vector<Leg>& legs);
+
 };
 
 // The mesh a checkpoint's trainer state records.
@@ -117,6 +130,26 @@ void expect_close_weights(const fs::path& a, const fs::path& b, long steps, cons
   }
   EXPECT_LT(sum / static_cast<double>(n), 0.05 * lr) << what << ": mean absolute weight difference";
   EXPECT_LT(worst, 2.0 * lr * static_cast<double>(steps)) << what << ": largest weight difference";
+}
+
+void DistTrain::expect_resume_chain(const std::string& name, const std::string& dir, const std::vector<Leg>& legs) {
+  const std::string lr = " --training.optimizer.lr_scheduler constant_with_warmup";
+  const long steps = 2 * static_cast<long>(legs.size());
+  const auto straight = root / ("straight" + std::to_string(steps));  // shared by chains of the same length
+  if (!fs::exists(straight / ("checkpoint-" + std::to_string(steps)))) {
+    auto one = train(1, straight, steps, 2, lr);
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+  }
+  const auto out = root / dir;
+  for (size_t i = 0; i < legs.size(); ++i) {
+    const auto& l = legs[i];
+    auto r = train(l.world, out, 2 * static_cast<long>(i + 1), 2,
+                   lr + (i ? " --training.checkpoint.resume_from_checkpoint latest" : ""), l.sp, l.shard);
+    ASSERT_EQ(r.exit_code, 0) << name << ", leg " << i + 1 << "\n" << r.output;
+  }
+  expect_close_metrics(out, straight, name);
+  const std::string last = "checkpoint-" + std::to_string(steps);
+  expect_close_weights(out / last / "student", straight / last / "student", steps, name);
 }
 
 }  // namespace
@@ -197,25 +230,6 @@ TEST_F(DistTrain, ShardedMeshesMatchOneProcess) {
   }
 }
 
-// A checkpoint of a shard-4 run (its state gathered in full) resumes at shard 2 and then in
-// one process, continuing like the uninterrupted one-process run (AdamW moments included:
-// losing them would change the first resumed update by up to lr per element).
-TEST_F(DistTrain, ShardedCheckpointOfWorld4ResumesOnShard2ThenOnOneProcess) {
-  const std::string lr = " --training.optimizer.lr_scheduler constant_with_warmup";
-  auto straight = train(1, root / "straight", 6, 2, lr);
-  ASSERT_EQ(straight.exit_code, 0) << straight.output;
-  const auto out = root / "sharded_resumed";
-  auto a = train(4, out, 2, 2, lr, 1, 4);
-  ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto b = train(2, out, 4, 2, lr + " --training.checkpoint.resume_from_checkpoint latest", 1, 2);
-  ASSERT_EQ(b.exit_code, 0) << b.output;
-  auto c = train(1, out, 6, 2, lr + " --training.checkpoint.resume_from_checkpoint latest");
-  ASSERT_EQ(c.exit_code, 0) << c.output;
-  expect_close_metrics(out, root / "straight", "shard 4 -> shard 2 -> 1");
-  expect_close_weights(out / "checkpoint-6" / "student", root / "straight" / "checkpoint-6" / "student", 6,
-                       "shard 4 -> shard 2 -> 1");
-}
-
 // DMD2 under SP 2: student, frozen teacher (with CFG) and critic all run whole-model forwards
 // that split the sequence; the rollout, the re-noising and the critic's timesteps are drawn
 // alike on both ranks. Same tolerances; both trained roles are compared. Then DMD2 sharded.
@@ -272,41 +286,14 @@ TEST_F(DistTrain, Dmd2UnderSequenceParallelAndShardingMatchesItsReference) {
                          std::string("dmd2 shard 2 vs replicate 2 ") + role);
 }
 
-// The legs stop early by running with a smaller max_train_steps. A cosine schedule is
-// computed over max_train_steps, so each leg would follow a different LR curve from its
-// first post-warmup update on (a 4-step leg decays to zero at step 4, ~1% off the 6-step
-// run at step 5, on any world size, one process included). The legs therefore use a
-// schedule that does not depend on the total: constant after the warmup.
-TEST_F(DistTrain, CheckpointOfWorld4ResumesOnWorld2ThenOnOneProcess) {
-  const std::string lr = " --training.optimizer.lr_scheduler constant_with_warmup";
-  auto straight = train(1, root / "straight", 6, 2, lr);
-  ASSERT_EQ(straight.exit_code, 0) << straight.output;
-  const auto out = root / "resumed";
-  auto a = train(4, out, 2, 2, lr);
-  ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto b = train(2, out, 4, 2, lr + " --training.checkpoint.resume_from_checkpoint latest");
-  ASSERT_EQ(b.exit_code, 0) << b.output;
-  auto c = train(1, out, 6, 2, lr + " --training.checkpoint.resume_from_checkpoint latest");
-  ASSERT_EQ(c.exit_code, 0) << c.output;
-  expect_close_metrics(out, root / "straight", "4 -> 2 -> 1");
-  expect_close_weights(out / "checkpoint-6" / "student", root / "straight" / "checkpoint-6" / "student", 6,
-                       "4 -> 2 -> 1");
-}
-
-// A checkpoint written under SP 2 (world 2) resumes in one process and continues like the
-// uninterrupted one-process run (the state is replicated; the sampler position is global).
-TEST_F(DistTrain, SequenceParallelCheckpointResumesInOneProcess) {
-  const std::string lr = " --training.optimizer.lr_scheduler constant_with_warmup";
-  auto straight = train(1, root / "straight", 4, 2, lr);
-  ASSERT_EQ(straight.exit_code, 0) << straight.output;
-  const auto out = root / "sp_resumed";
-  auto a = train(2, out, 2, 2, lr, 2);
-  ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto b = train(1, out, 4, 2, lr + " --training.checkpoint.resume_from_checkpoint latest");
-  ASSERT_EQ(b.exit_code, 0) << b.output;
-  expect_close_metrics(out, root / "straight", "SP 2 -> 1");
-  expect_close_weights(out / "checkpoint-4" / "student", root / "straight" / "checkpoint-4" / "student", 4,
-                       "SP 2 -> 1");
+// Checkpoints resumed on other meshes continue like the uninterrupted one-process run: world 4
+// -> world 2 -> one process (replicated); SP 2 -> one process; shard 4 -> shard 2 -> one
+// process (the sharded state is gathered in full for the checkpoint; losing the AdamW moments
+// would change the first resumed update by up to lr per element).
+TEST_F(DistTrain, CheckpointsResumeOnOtherMeshes) {
+  expect_resume_chain("4 -> 2 -> 1", "resumed", {{4, 1, 1}, {2, 1, 1}, {1, 1, 1}});
+  expect_resume_chain("SP 2 -> 1", "sp_resumed", {{2, 2, 1}, {1, 1, 1}});
+  expect_resume_chain("shard 4 -> shard 2 -> 1", "sharded_resumed", {{4, 1, 4}, {2, 1, 2}, {1, 1, 1}});
 }
 
 TEST_F(DistTrain, MeshThatDoesNotMatchTheLaunchIsRefused) {

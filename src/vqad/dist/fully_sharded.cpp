@@ -25,8 +25,13 @@ struct HookRef : torch::CustomClassHolder {
 
 HookRef* ref_of(AutogradContext* ctx) { return static_cast<HookRef*>(ctx->saved_data["ref"].toCapsule().get()); }
 
-// Identity on a unit's output: its backward (before any of the unit's) gathers the unit.
-class PreBackwardGather : public torch::autograd::Function<PreBackwardGather> {
+// Identity in forward; its backward calls `Hook` on the unit, then passes the gradient on.
+// On a unit's output (PreBackwardGather): runs before any of the unit's backward, and gathers
+// the unit. On a unit's input (PostBackwardReduce): runs once the unit's backward is complete
+// (the input's gradient needs every node of the unit; the parameters' gradient accumulation
+// runs first, the engine gives it priority), and reduces and releases the unit.
+template <void (FullyShardedModel::*Hook)(size_t)>
+class UnitHook : public torch::autograd::Function<UnitHook<Hook>> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<HookRef> ref, torch::Tensor x) {
     ctx->saved_data["ref"] = c10::IValue::make_capsule(std::move(ref));
@@ -34,26 +39,12 @@ class PreBackwardGather : public torch::autograd::Function<PreBackwardGather> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto* r = ref_of(ctx);
-    if (r->owner) r->owner->pre_backward(r->unit);
+    if (r->owner) (r->owner->*Hook)(r->unit);
     return {torch::Tensor(), grads[0]};
   }
 };
-
-// Identity on a unit's input: its backward runs once the unit's backward is complete (the
-// input's gradient needs every node of the unit; the parameters' gradient accumulation
-// runs first, the engine gives it priority).
-class PostBackwardReduce : public torch::autograd::Function<PostBackwardReduce> {
- public:
-  static torch::Tensor forward(AutogradContext* ctx, c10::intrusive_ptr<HookRef> ref, torch::Tensor x) {
-    ctx->saved_data["ref"] = c10::IValue::make_capsule(std::move(ref));
-    return x;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto* r = ref_of(ctx);
-    if (r->owner) r->owner->post_backward(r->unit);
-    return {torch::Tensor(), grads[0]};
-  }
-};
+using PreBackwardGather = UnitHook<&FullyShardedModel::pre_backward>;
+using PostBackwardReduce = UnitHook<&FullyShardedModel::post_backward>;
 
 // The module parameter's memory: released between uses (shape and autograd identity stay).
 void release_storage(const torch::Tensor& p) {
