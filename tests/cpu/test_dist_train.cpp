@@ -264,14 +264,18 @@ TEST_F(DistTrain, Dmd2UnderSequenceParallelAndShardingMatchesItsReference) {
     std::ofstream(p) << y;
     return train_recipe(world, p, "", root / (out.filename().string() + ".log"));
   };
+  // Both trained roles of a run against its reference.
+  auto expect_twins = [&](const std::string& dir, const std::string& ref, const std::string& name) {
+    expect_close_metrics(root / dir, root / ref, name);
+    for (const char* role : {"student", "critic"})
+      expect_close_weights(root / dir / "checkpoint-3" / role, root / ref / "checkpoint-3" / role, 3,
+                           name + " " + role);
+  };
   auto one = dmd(1, root / "dmd1", 1, 1);
   ASSERT_EQ(one.exit_code, 0) << one.output;
   auto sp2 = dmd(2, root / "dmd_sp2", 2, 1);
   ASSERT_EQ(sp2.exit_code, 0) << sp2.output;
-  expect_close_metrics(root / "dmd_sp2", root / "dmd1", "dmd2 SP 2");
-  for (const char* role : {"student", "critic"})
-    expect_close_weights(root / "dmd_sp2" / "checkpoint-3" / role, root / "dmd1" / "checkpoint-3" / role, 3,
-                         std::string("dmd2 SP 2 ") + role);
+  expect_twins("dmd_sp2", "dmd1", "dmd2 SP 2");
   // Sharded: student, frozen teacher and critic all sharded over 2 data-parallel ranks (batch 1
   // each). The distribution-matching gradient is normalized by the mean |x0 - teacher x0| of
   // each rank's batch (as in FastVideo), so data-parallel DMD2 is not the one-process run
@@ -280,10 +284,7 @@ TEST_F(DistTrain, Dmd2UnderSequenceParallelAndShardingMatchesItsReference) {
   ASSERT_EQ(rep2.exit_code, 0) << rep2.output;
   auto shard2 = dmd(2, root / "dmd_shard2", 1, 2);
   ASSERT_EQ(shard2.exit_code, 0) << shard2.output;
-  expect_close_metrics(root / "dmd_shard2", root / "dmd_rep2", "dmd2 shard 2 vs replicate 2");
-  for (const char* role : {"student", "critic"})
-    expect_close_weights(root / "dmd_shard2" / "checkpoint-3" / role, root / "dmd_rep2" / "checkpoint-3" / role, 3,
-                         std::string("dmd2 shard 2 vs replicate 2 ") + role);
+  expect_twins("dmd_shard2", "dmd_rep2", "dmd2 shard 2 vs replicate 2");
 }
 
 // Checkpoints resumed on other meshes continue like the uninterrupted one-process run: world 4

@@ -377,7 +377,7 @@ TrainSummary Trainer::run() {
     writer.wait();
     return last_good_checkpoint_text(writer.last_good(), out);
   };
-  if (vcfg.enabled && vcfg.run_at_start && I.start_step == 0 && (I.validation || sharded)) {
+  if (ValidationRunner::at_start(vcfg) && I.start_step == 0 && (I.validation || sharded)) {
     auto r = validate(0);
     if (metrics) metrics->log(0, r);
   }
@@ -486,7 +486,7 @@ TrainSummary Trainer::run() {
       rec["mfu"] = step_flops(mc, per_sample, tc.data.train_batch_size * accum * dp, mc.text_len) / dt /
                    I.peak->bf16_dense_flops / static_cast<double>(world);
     }
-    if (vcfg.enabled && vcfg.every_steps > 0 && step % vcfg.every_steps == 0 && (I.validation || sharded))
+    if (ValidationRunner::due(vcfg, step) && (I.validation || sharded))
       for (const auto& [k, v] : validate(step)) rec[k] = v;
     if (metrics) metrics->log(step, rec);
     summary.losses.push_back(loss);

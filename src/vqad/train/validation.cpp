@@ -122,14 +122,7 @@ ValidationRunner::ValidationRunner(const RunConfig& run, std::shared_ptr<Role> s
             " steps, to ", out_dir_);
 }
 
-bool ValidationRunner::due(long step) const {
-  const auto& v = run_.callbacks.validation;
-  return v.every_steps > 0 && step % v.every_steps == 0;
-}
-
 int64_t ValidationRunner::v_fps() const { return run_.callbacks.validation.fps; }
-
-bool ValidationRunner::at_start() const { return run_.callbacks.validation.run_at_start; }
 
 std::map<std::string, double> ValidationRunner::run(long step) {
   const auto t0 = std::chrono::steady_clock::now();

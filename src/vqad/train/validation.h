@@ -50,8 +50,12 @@ class ValidationRunner {
  public:
   // Throws (naming the key) when the prompts or the latent geometry cannot be resolved.
   ValidationRunner(const RunConfig& run, std::shared_ptr<Role> student, torch::Device device);
-  bool due(long step) const;
-  bool at_start() const;
+  // The schedule of callbacks.validation, the same on every rank (whether or not the rank
+  // holds a runner): due after `step`, and before the first step.
+  static bool due(const ValidationConfig& v, long step) {
+    return v.enabled && v.every_steps > 0 && step % v.every_steps == 0;
+  }
+  static bool at_start(const ValidationConfig& v) { return v.enabled && v.run_at_start; }
   // Samples, writes the files, returns metrics ("validation/seconds", ...).
   std::map<std::string, double> run(long step);
   const std::vector<int64_t>& latent_shape() const { return shape_; }
