@@ -265,3 +265,23 @@ TEST(DistMemory, Wan14BStage1AtShard8FitsAn80GBGpu) {
   EXPECT_NEAR(one.states_gib, 8.0 * e.states_gib, 1e-6);
   EXPECT_EQ(one.gathered_gib, 0.0);
 }
+
+TEST(DistMemory, FrozenRolesReplicatedOnRequest) {
+  // DMD2 at 1.3B, shard 4: the frozen teacher's fp32 weights split over the shard group, or
+  // whole on every rank with shard_frozen_roles false (the trainable roles stay sharded).
+  dist::MemoryMesh m;
+  m.shard = 4;
+  m.batch = 1;
+  m.tokens_per_sample = 21 * 30 * 52;
+  const std::vector<dist::RoleFootprint> roles{{"student", model::WanConfig::wan_1_3b(), true},
+                                               {"teacher", model::WanConfig::wan_1_3b(), false},
+                                               {"critic", model::WanConfig::wan_1_3b(), true}};
+  const auto sharded = dist::estimate_memory(roles, m);
+  m.shard_frozen = false;
+  const auto replicated = dist::estimate_memory(roles, m);
+  const double teacher_gib =
+      4.0 * static_cast<double>(dist::wan_parameter_count(model::WanConfig::wan_1_3b())) / (1024.0 * 1024.0 * 1024.0);
+  EXPECT_NEAR(replicated.states_gib - sharded.states_gib, teacher_gib * 3.0 / 4.0, 1e-9) << replicated.text;
+  EXPECT_NE(replicated.text.find("teacher"), std::string::npos);
+  EXPECT_NE(replicated.text.find("replicated"), std::string::npos) << replicated.text;
+}

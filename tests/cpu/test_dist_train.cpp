@@ -18,10 +18,12 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "test_dist_util.h"
 #include "test_train_util.h"
 #include "vqad/core/metrics.h"
+#include "vqad/io/tensors.h"
 #include "vqad/model/wan/weights.h"
 
 namespace fs = std::filesystem;
@@ -96,6 +98,35 @@ struct DistTrain : ::testing::Test {
 nlohmann::json mesh_of(const fs::path& checkpoint) {
   std::ifstream f(checkpoint / "trainer_state.json");
   return nlohmann::json::parse(f).at("distributed");
+}
+
+// A sharded run's checkpoint: each rank of the first shard group wrote its units as its own
+// part files, and rank 0 published them with index files (tensor -> part) and one metadata
+// listing every file; no parts directory is left behind.
+void expect_sharded_layout(const fs::path& out, const std::string& checkpoint, int shard, const std::string& what) {
+  const fs::path ck = out / checkpoint;
+  for (const auto& [dir, prefix] : {std::pair<std::string, std::string>{"student/transformer", "diffusion_pytorch_model"},
+                                    {"student", "optimizer"}}) {
+    EXPECT_FALSE(fs::exists(ck / dir / (prefix + ".safetensors"))) << what << ": " << dir << " holds one whole file";
+    std::ifstream f(ck / dir / (prefix + ".safetensors.index.json"));
+    ASSERT_TRUE(f.good()) << what << ": no index in " << (ck / dir).string();
+    const auto index = nlohmann::json::parse(f);
+    std::set<std::string> parts;
+    for (const auto& [tensor, file] : index.at("weight_map").items()) {
+      const std::string name = file.get<std::string>();
+      EXPECT_TRUE(fs::is_regular_file(ck / dir / name)) << what << ": " << name;
+      EXPECT_NE(name.find("-of-" + std::string(5 - std::to_string(shard).size(), '0') + std::to_string(shard)),
+                std::string::npos) << what << ": " << name;
+      parts.insert(name);
+    }
+    EXPECT_GE(parts.size(), 2u) << what << ": " << dir << " was written by one rank";
+    // Every part file is listed in the signed metadata (what lineage --verify and resume check).
+    std::ifstream m(ck / "metadata.json");
+    const auto files = nlohmann::json::parse(m).at("files");
+    for (const auto& p : parts) EXPECT_TRUE(files.contains(dir + "/" + p)) << what << ": " << p << " not in metadata";
+  }
+  for (const auto& e : fs::directory_iterator(out))
+    EXPECT_NE(e.path().filename().string().rfind(".parts-", 0), 0u) << what << ": left behind " << e.path();
 }
 
 std::vector<double> losses(const fs::path& out) {
@@ -227,7 +258,12 @@ TEST_F(DistTrain, ShardedMeshesMatchOneProcess) {
     const auto mesh = mesh_of(out / "checkpoint-3");
     EXPECT_EQ(mesh.at("hsdp_shard_dim").get<int>(), m.shard) << m.name;
     EXPECT_EQ(mesh.at("hsdp_replicate_dim").get<int>(), m.world / m.shard) << m.name;
+    expect_sharded_layout(out, "checkpoint-3", m.shard, m.name);
   }
+  // The sharded checkpoint is a complete, verifiable one (every file hashed in its metadata).
+  auto verify = test_dist::run_vqad("lineage " + (root / "sharded0" / "checkpoint-3").string() + " --verify",
+                                    root / "verify.log");
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
 }
 
 // DMD2 under SP 2: student, frozen teacher (with CFG) and critic all run whole-model forwards
@@ -285,6 +321,17 @@ TEST_F(DistTrain, Dmd2UnderSequenceParallelAndShardingMatchesItsReference) {
   auto shard2 = dmd(2, root / "dmd_shard2", 1, 2);
   ASSERT_EQ(shard2.exit_code, 0) << shard2.output;
   expect_twins("dmd_shard2", "dmd_rep2", "dmd2 shard 2 vs replicate 2");
+  EXPECT_TRUE(contains(shard2.output, "state of 3 role(s) split over shard groups of 2")) << shard2.output;
+  // The frozen teacher replicated (shard_frozen_roles false) while student and critic stay
+  // sharded: the teacher computes with the same fp32 weights, so the run is the same.
+  auto frozen = train_recipe(2, root / "dmd_shard2.yaml", " --training.distributed.shard_frozen_roles false "
+                             "--training.checkpoint.output_dir " + (root / "dmd_shard2_rt").string(),
+                             root / "dmd_shard2_rt.log");
+  ASSERT_EQ(frozen.exit_code, 0) << frozen.output;
+  EXPECT_TRUE(contains(frozen.output, "state of 2 role(s) split over shard groups of 2 (frozen, replicated on every "
+                                      "rank: teacher)")) << frozen.output;
+  expect_twins("dmd_shard2_rt", "dmd_shard2", "dmd2 shard 2, teacher replicated vs sharded");
+  expect_sharded_layout(root / "dmd_shard2_rt", "checkpoint-3", 2, "dmd2 shard 2");
 }
 
 // Checkpoints resumed on other meshes continue like the uninterrupted one-process run: world 4
@@ -295,6 +342,38 @@ TEST_F(DistTrain, CheckpointsResumeOnOtherMeshes) {
   expect_resume_chain("4 -> 2 -> 1", "resumed", {{4, 1, 1}, {2, 1, 1}, {1, 1, 1}});
   expect_resume_chain("SP 2 -> 1", "sp_resumed", {{2, 2, 1}, {1, 1, 1}});
   expect_resume_chain("shard 4 -> shard 2 -> 1", "sharded_resumed", {{4, 1, 4}, {2, 1, 2}, {1, 1, 1}});
+}
+
+// Validation of a sharded student: the ranks of the first shard group sample together, the
+// student's units gathered one at a time by its forward, and rank 0 writes. Before the first
+// step every rank holds the one-process run's weights, so the samples are the same bits.
+TEST_F(DistTrain, ShardedValidationSamplesLikeOneProcess) {
+  fs::create_directories(root / "prompts");
+  nlohmann::json list = nlohmann::json::array();
+  for (int i = 0; i < 2; ++i) {
+    const std::string f = "p" + std::to_string(i) + ".safetensors";
+    io::save_safetensors((root / "prompts" / f).string(),
+                         {{"emb", torch::randn({3 + i, model::WanConfig::tiny().text_dim}) * 0.2}});
+    list.push_back({{"caption", "prompt " + std::to_string(i)}, {"embedding", f}});
+  }
+  std::ofstream(root / "prompts" / "validation.json") << nlohmann::json{{"data", list}}.dump(2);
+  const std::string validation =
+      "  validation:\n    _target_: fastvideo.train.callbacks.validation.ValidationCallback\n"
+      "    dataset_file: " + (root / "prompts" / "validation.json").string() + "\n"
+      "    every_steps: 1\n    run_at_start: true\n    sampling_steps: [3]\n    guidance_scale: 3.0\n"
+      "    height: 32\n    width: 32\n    num_frames: 5\n    vae: none\n";
+  auto run = [&](int world, int shard, const std::string& dir) {
+    const auto out = root / dir;
+    const fs::path p = recipe(world, out, 1, 1, 1, shard);
+    std::ofstream(p, std::ios::app) << validation;
+    auto r = train_recipe(world, p, "", root / (dir + ".log"));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return io::load_safetensors((out / "validation" / "step-0" / "samples.safetensors").string()).at("latents");
+  };
+  auto one = run(1, 1, "val1");
+  auto sharded = run(2, 2, "val_shard2");
+  EXPECT_TRUE(torch::equal(one, sharded)) << "max |difference| " << (one - sharded).abs().max().item<double>();
+  EXPECT_TRUE(fs::is_regular_file(root / "val_shard2" / "validation" / "step-1" / "samples.safetensors"));
 }
 
 TEST_F(DistTrain, MeshThatDoesNotMatchTheLaunchIsRefused) {

@@ -93,6 +93,7 @@ Json to_json(const TrainingConfig& t) {
                       {"pin_cpu_memory", d.pin_cpu_memory},
                       {"reshard_after_forward", d.reshard_after_forward},
                       {"fsdp_modules_per_group", d.fsdp_modules_per_group},
+                      {"shard_frozen_roles", d.shard_frozen_roles},
                       {"reduce_dtype", d.reduce_dtype},
                       {"fsdp_symmetric_memory", d.fsdp_symmetric_memory}};
   const auto& a = t.data;

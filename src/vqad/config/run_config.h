@@ -159,6 +159,7 @@ struct DistributedConfig {
   bool pin_cpu_memory = false;
   bool reshard_after_forward = true;
   int64_t fsdp_modules_per_group = 1;
+  bool shard_frozen_roles = true;  // false: frozen roles (teacher) keep full weights on every rank
   std::string reduce_dtype = "fp32";  // fp32 | bf16
   bool fsdp_symmetric_memory = false;  // accepted for FastVideo recipes; a GPU-memory knob
   int64_t dp_size() const { return num_gpus / sp_size; }

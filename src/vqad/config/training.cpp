@@ -30,6 +30,9 @@ const SectionSchema& distributed_schema() {
               "free a gathered unit after its forward (gathered again for its backward); false keeps it until its "
               "backward"),
           key("fsdp_modules_per_group", K::kInt, 1, "blocks per sharding unit (gathered and released together)"),
+          key("shard_frozen_roles", K::kBool, true,
+              "with hsdp_shard_dim > 1, also shard the frozen roles (teacher); false keeps their full weights on "
+              "every rank (no gathers in their forwards, more memory)"),
           planned(choice_key("reduce_dtype", {"fp32", "bf16"}, "fp32", "gradient reduction dtype", true),
                   kShardingKnob),
           planned(key("fsdp_symmetric_memory", K::kBool, false, "symmetric-memory collectives (a GPU-memory knob)"),
@@ -267,6 +270,7 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
     x.pin_cpu_memory = d.boolean("pin_cpu_memory");
     x.reshard_after_forward = d.boolean("reshard_after_forward");
     x.fsdp_modules_per_group = d.i64("fsdp_modules_per_group");
+    x.shard_frozen_roles = d.boolean("shard_frozen_roles");
     x.reduce_dtype = d.choice("reduce_dtype");
     x.fsdp_symmetric_memory = d.boolean("fsdp_symmetric_memory");
     d.finish();

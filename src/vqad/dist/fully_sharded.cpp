@@ -83,10 +83,13 @@ namespace {
 int64_t group_size(const ShardingOptions& o) { return o.shard->size(); }
 
 // This rank's slice of a full tensor laid out like `e`'s parameter.
-torch::Tensor slice_of(const FullyShardedModel::Unit::Entry& e, const torch::Tensor& full, int rank, int64_t S) {
-  auto flat = full.detach().reshape({-1}).to(torch::kFloat32);
-  if (S * e.chunk > e.numel) flat = torch::constant_pad_nd(flat, {0, S * e.chunk - e.numel});
-  return flat.narrow(0, rank * e.chunk, e.chunk).clone();
+torch::Tensor slice_of(const FullyShardedModel::Unit::Entry& e, const torch::Tensor& full, int rank) {
+  // Only the slice is read (`full` may be a view of a checkpoint file); the padding is zeros.
+  auto flat = full.detach().reshape({-1});
+  const int64_t begin = std::min(rank * e.chunk, e.numel), end = std::min(begin + e.chunk, e.numel);
+  auto out = torch::zeros({e.chunk}, flat.options().dtype(torch::kFloat32));
+  if (end > begin) out.narrow(0, 0, end - begin).copy_(flat.narrow(0, begin, end - begin));
+  return out;
 }
 }  // namespace
 
@@ -116,7 +119,7 @@ FullyShardedModel::FullyShardedModel(std::string what, std::vector<ShardUnitSpec
       e.trainable = p.requires_grad();
       // Its own contiguous storage (nothing else may share what gets released).
       p.set_data(p.detach().clone(at::MemoryFormat::Contiguous));
-      e.shard = slice_of(e, p, rank, S);
+      e.shard = slice_of(e, p, rank);
       if (e.trainable) e.shard.requires_grad_(true);
       e.param = p;
       u->entries.push_back(std::move(e));
@@ -196,36 +199,53 @@ void FullyShardedModel::release_unit(Unit& u) {
 
 void FullyShardedModel::reduce_unit_grads(Unit& u) {
   torch::NoGradGuard ng;
-  std::vector<Unit::Entry*> with;
-  for (auto& e : u.entries)
-    if (e.trainable && e.param.grad().defined()) with.push_back(&e);
+  std::vector<size_t> with;
+  for (size_t i = 0; i < u.entries.size(); ++i)
+    if (u.entries[i].trainable && u.entries[i].param.grad().defined()) with.push_back(i);
   if (with.empty()) return;
+  // One reduce-scatter in flight: the previous unit's completes first (its sums are added to
+  // the shard gradients in issue order, so the result does not depend on the overlap).
+  complete_reduce();
   const int64_t S = group_size(options_);
-  auto buf = torch::zeros({S, u.row}, torch::TensorOptions().dtype(torch::kFloat32).device(with[0]->param.device()));
-  for (auto* e : with) {
+  auto buf = torch::zeros({S, u.row},
+                          torch::TensorOptions().dtype(torch::kFloat32).device(u.entries[with[0]].param.device()));
+  for (size_t i : with) {
+    auto* e = &u.entries[i];
     auto g = e->param.grad().detach().reshape({-1}).to(torch::kFloat32);
     if (S * e->chunk > e->numel) g = torch::constant_pad_nd(g, {0, S * e->chunk - e->numel});
     buf.narrow(1, e->offset, e->chunk).copy_(g.view({S, e->chunk}));
+    e->param.mutable_grad() = torch::Tensor();
   }
-  auto mine = options_.shard->reduce_scatter(buf.view({-1}), ReduceOp::kSum, "grads " + what_ + " " + u.name);
-  for (auto* e : with) {
+  // Issued now and completed when the next unit's gradients are ready (or at
+  // finish_backward): the backward of the unit before this one overlaps it.
+  reduce_.work = options_.shard->reduce_scatter_async(buf.view({-1}), "grads " + what_ + " " + u.name);
+  reduce_.unit = u.ref->unit;
+  reduce_.entries = std::move(with);
+}
+
+void FullyShardedModel::complete_reduce() {
+  if (!reduce_.work.active()) return;
+  torch::NoGradGuard ng;
+  auto mine = reduce_.work.wait();
+  Unit& u = *units_[reduce_.unit];
+  for (size_t i : reduce_.entries) {
+    auto* e = &u.entries[i];
     auto piece = mine.narrow(0, e->offset, e->chunk);
     if (e->shard.grad().defined())
       e->shard.mutable_grad().add_(piece);
     else
       e->shard.mutable_grad() = piece.clone();
-    e->param.mutable_grad() = torch::Tensor();
   }
+  reduce_.entries.clear();
 }
 
 void FullyShardedModel::gather(size_t unit) {
   VQAD_CHECK(unit < units_.size(), "sharded data parallel (", what_, "): unit ", unit, " of ", units_.size());
-  if (!hooks_idle_) gather_unit(*units_[unit]);
+  gather_unit(*units_[unit]);
 }
 
 torch::Tensor FullyShardedModel::enter_block(size_t unit, bool first, torch::Tensor hidden) {
   VQAD_CHECK(unit < units_.size(), "sharded data parallel (", what_, "): unit ", unit, " of ", units_.size());
-  if (hooks_idle_) return hidden;
   Unit& u = *units_[unit];
   gather_unit(u);
   if (first) prefetch(unit + 1);  // the next unit's gather runs while this one computes
@@ -236,7 +256,7 @@ torch::Tensor FullyShardedModel::enter_block(size_t unit, bool first, torch::Ten
 
 torch::Tensor FullyShardedModel::leave_block(size_t unit, bool last, torch::Tensor out) {
   VQAD_CHECK(unit < units_.size(), "sharded data parallel (", what_, "): unit ", unit, " of ", units_.size());
-  if (hooks_idle_ || !last) return out;
+  if (!last) return out;
   Unit& u = *units_[unit];
   const bool graph = torch::GradMode::is_enabled() && out.requires_grad();
   if (graph) {
@@ -248,13 +268,11 @@ torch::Tensor FullyShardedModel::leave_block(size_t unit, bool last, torch::Tens
 }
 
 void FullyShardedModel::pre_backward(size_t unit) {
-  if (hooks_idle_) return;
   gather_unit(*units_.at(unit));
   if (unit > 1) prefetch(unit - 1);  // the backward reaches the unit before this one next (not the root)
 }
 
 void FullyShardedModel::post_backward(size_t unit) {
-  if (hooks_idle_) return;
   Unit& u = *units_.at(unit);
   u.pending = std::max(0, u.pending - 1);
   if (u.pending > 0) return;  // another forward's backward still needs the unit
@@ -263,16 +281,17 @@ void FullyShardedModel::post_backward(size_t unit) {
 }
 
 void FullyShardedModel::finish_backward() {
-  VQAD_CHECK(!hooks_idle_, "sharded data parallel (", what_, "): finish_backward inside gather_all");
   complete_prefetch();
   for (auto& u : units_) {
     reduce_unit_grads(*u);
     release_unit(*u);
     u->pending = 0;
   }
+  complete_reduce();
 }
 
 void FullyShardedModel::finish_step() {
+  complete_reduce();
   torch::NoGradGuard ng;
   std::vector<torch::Tensor> grads;
   for (auto& u : units_)
@@ -361,15 +380,7 @@ std::vector<std::string> FullyShardedModel::nonfinite_parameters(bool gradients)
   return out;
 }
 
-void FullyShardedModel::gather_all() {
-  VQAD_CHECK(!hooks_idle_, "sharded data parallel (", what_, "): gather_all twice");
-  complete_prefetch();
-  for (auto& u : units_) gather_unit(*u);
-  hooks_idle_ = true;
-}
-
 void FullyShardedModel::release_all() {
-  hooks_idle_ = false;
   complete_prefetch();
   for (auto& u : units_) {
     release_unit(*u);
@@ -377,27 +388,100 @@ void FullyShardedModel::release_all() {
   }
 }
 
-bool FullyShardedModel::all_gathered() const { return hooks_idle_; }
+std::vector<int> FullyShardedModel::unit_writers() const {
+  const int64_t S = group_size(options_);
+  std::vector<int64_t> load(static_cast<size_t>(S), 0);
+  std::vector<int> out;
+  for (const auto& u : units_) {
+    int64_t bytes = 0;
+    for (const auto& e : u->entries) bytes += e.numel * (e.trainable ? 12 : 4);
+    const auto best = std::min_element(load.begin(), load.end());  // the first of equals: deterministic
+    *best += bytes;
+    out.push_back(static_cast<int>(best - load.begin()));
+  }
+  return out;
+}
 
-void FullyShardedModel::full_adamw_state(const torch::optim::AdamW& shard_state, torch::optim::AdamW& full) {
+std::vector<std::tuple<std::string, std::vector<int64_t>, bool>> FullyShardedModel::written_parameters() const {
+  const auto writers = unit_writers();
+  const int rank = options_.shard->rank();
+  std::vector<std::tuple<std::string, std::vector<int64_t>, bool>> out;
+  for (size_t i = 0; i < units_.size(); ++i)
+    if (writers[i] == rank)
+      for (const auto& e : units_[i]->entries) out.emplace_back(e.name, e.param.sizes().vec(), e.trainable);
+  return out;
+}
+
+void FullyShardedModel::visit_written_state(const torch::optim::AdamW* shard_state,
+                                            const std::function<void(const FullParameter&)>& sink) {
+  complete_reduce();
+  complete_prefetch();
+  const auto writers = unit_writers();
+  const int rank = options_.shard->rank();
+  const int64_t S = group_size(options_);
   torch::NoGradGuard ng;
-  for (const auto& u : units_)
-    for (const auto& e : u->entries) {
-      if (!e.trainable) continue;
-      auto it = shard_state.state().find(e.shard.unsafeGetTensorImpl());
-      if (it == shard_state.state().end()) continue;  // never updated (alike on every rank)
-      const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-      auto whole = [&](const torch::Tensor& piece, const char* m) {
-        auto all = options_.shard->all_gather(piece.detach().contiguous(), "adamw " + what_ + " " + e.name + m);
-        return all.narrow(0, 0, e.numel).view(e.param.sizes()).clone();
-      };
-      auto s = std::make_unique<torch::optim::AdamWParamState>();
-      s->step(st.step());
-      s->exp_avg(whole(st.exp_avg(), ".exp_avg"));
-      s->exp_avg_sq(whole(st.exp_avg_sq(), ".exp_avg_sq"));
-      if (st.max_exp_avg_sq().defined()) s->max_exp_avg_sq(whole(st.max_exp_avg_sq(), ".max_exp_avg_sq"));
-      full.state()[e.param.unsafeGetTensorImpl()] = std::move(s);
+  for (size_t ui = 0; ui < units_.size(); ++ui) {
+    Unit& u = *units_[ui];
+    gather_unit(u);
+    // The moments of the unit's updated parameters: one gather of [exp_avg | exp_avg_sq
+    // (| max_exp_avg_sq)] pieces (the same parameters have state on every rank).
+    struct WithState {
+      const Unit::Entry* e;
+      const torch::optim::AdamWParamState* st;
+    };
+    std::vector<WithState> with;
+    bool amsgrad = false;
+    if (shard_state)
+      for (const auto& e : u.entries) {
+        if (!e.trainable) continue;
+        auto it = shard_state->state().find(e.shard.unsafeGetTensorImpl());
+        if (it == shard_state->state().end()) continue;
+        const auto* st = static_cast<const torch::optim::AdamWParamState*>(it->second.get());
+        with.push_back({&e, st});
+        amsgrad = amsgrad || st->max_exp_avg_sq().defined();
+      }
+    const int64_t kinds = amsgrad ? 3 : 2;
+    torch::Tensor moments;  // [S, kinds, sum(chunk)]
+    std::vector<int64_t> at;
+    if (!with.empty()) {
+      std::vector<torch::Tensor> parts[3];
+      int64_t n = 0;
+      for (const auto& w : with) {
+        at.push_back(n);
+        n += w.e->chunk;
+        parts[0].push_back(w.st->exp_avg().detach().reshape({-1}).to(torch::kFloat32));
+        parts[1].push_back(w.st->exp_avg_sq().detach().reshape({-1}).to(torch::kFloat32));
+        if (amsgrad)
+          parts[2].push_back(w.st->max_exp_avg_sq().defined()
+                                 ? w.st->max_exp_avg_sq().detach().reshape({-1}).to(torch::kFloat32)
+                                 : torch::zeros({w.e->chunk}, parts[0].back().options()));
+      }
+      std::vector<torch::Tensor> rows;
+      for (int64_t k = 0; k < kinds; ++k) rows.push_back(torch::cat(parts[k]));
+      moments = options_.shard->all_gather(torch::cat(rows), "checkpoint adamw " + what_ + " " + u.name)
+                    .view({S, kinds, n});
     }
+    if (writers[ui] == rank) {
+      for (const auto& e : u.entries) {
+        FullParameter p;
+        p.name = e.name;
+        p.weight = e.param.detach();
+        for (size_t j = 0; j < with.size(); ++j) {
+          if (with[j].e != &e) continue;
+          auto whole = [&](int64_t k) {
+            return moments.select(1, k).narrow(1, at[j], e.chunk).reshape({-1}).narrow(0, 0, e.numel)
+                .view(e.param.sizes()).clone();
+          };
+          p.exp_avg = whole(0);
+          p.exp_avg_sq = whole(1);
+          if (with[j].st->max_exp_avg_sq().defined()) p.max_exp_avg_sq = whole(2);
+          p.step = with[j].st->step();
+        }
+        sink(p);
+      }
+    }
+    release_unit(u);
+  }
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> FullyShardedModel::gather_gradients() {
@@ -415,7 +499,6 @@ std::vector<std::pair<std::string, torch::Tensor>> FullyShardedModel::gather_gra
 
 void FullyShardedModel::shard_adamw_state(const torch::optim::AdamW& full, torch::optim::AdamW& shards) const {
   torch::NoGradGuard ng;
-  const int64_t S = group_size(options_);
   const int rank = options_.shard->rank();
   for (const auto& u : units_)
     for (const auto& e : u->entries) {
@@ -425,9 +508,11 @@ void FullyShardedModel::shard_adamw_state(const torch::optim::AdamW& full, torch
       const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
       auto s = std::make_unique<torch::optim::AdamWParamState>();
       s->step(st.step());
-      s->exp_avg(slice_of(e, st.exp_avg(), rank, S));
-      s->exp_avg_sq(slice_of(e, st.exp_avg_sq(), rank, S));
-      if (st.max_exp_avg_sq().defined()) s->max_exp_avg_sq(slice_of(e, st.max_exp_avg_sq(), rank, S));
+      // The full moments may be host views of a checkpoint file: only this rank's slice moves.
+      const auto dev = e.shard.device();
+      s->exp_avg(slice_of(e, st.exp_avg(), rank).to(dev));
+      s->exp_avg_sq(slice_of(e, st.exp_avg_sq(), rank).to(dev));
+      if (st.max_exp_avg_sq().defined()) s->max_exp_avg_sq(slice_of(e, st.max_exp_avg_sq(), rank).to(dev));
       shards.state()[e.shard.unsafeGetTensorImpl()] = std::move(s);
     }
 }

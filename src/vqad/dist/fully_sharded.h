@@ -31,16 +31,23 @@
 //
 // Overlap: when a unit is gathered for its forward, the next unit's all-gather is issued at
 // once and completed when that unit enters (prefetch); likewise in backward for the unit
-// before it. At most one prefetch is in flight, so at most two units are gathered.
+// before it. At most one prefetch is in flight, so at most two units are gathered. A unit's
+// gradient reduce-scatter is issued when its backward is done and completed when the next
+// unit's is issued (or at finish_backward), so it overlaps the backward of the unit before
+// it; one is in flight at a time, and the shard gradients receive the sums in issue order.
 //
 // Every collective is on the shard (or replicate) group, issued in the same order on every
-// rank because every rank runs the same graph. Checkpoints and validation use gather_all()
-// (every unit in full, hooks idle) and full_adamw_state() (the AdamW moments in full).
+// rank because every rank runs the same graph. Validation samples through the same hooks on
+// every rank of the shard group (no backward: a unit is released after its forward), then
+// release_all(); checkpoints use visit_written_state() (one unit and its AdamW moments in
+// full at a time, handed to the rank that writes it).
 #pragma once
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "vqad/dist/process_group.h"
@@ -92,16 +99,31 @@ class FullyShardedModel {
   // (collective; the same list on every rank).
   std::vector<std::string> nonfinite_parameters(bool gradients);
 
-  // Every unit in full (collective), with the hooks idle until release_all(): checkpoints,
-  // validation, export.
-  void gather_all();
+  // Releases every unit (after forwards without a backward, e.g. validation sampling, which
+  // leaves the root unit gathered).
   void release_all();
-  bool all_gathered() const;
-  // The full AdamW moments of `shard_state` (an optimizer over trainable_shards()) as state of
-  // `full` (an optimizer over the module parameters): collective.
-  void full_adamw_state(const torch::optim::AdamW& shard_state, torch::optim::AdamW& full);
   // The inverse: `shards` gets this rank's slices of `full`'s state (resume).
   void shard_adamw_state(const torch::optim::AdamW& full, torch::optim::AdamW& shards) const;
+  // One parameter in full, for a checkpoint: the weight and, for a trainable parameter the
+  // optimizer has updated, its AdamW moments (else undefined) and step.
+  struct FullParameter {
+    std::string name;
+    torch::Tensor weight, exp_avg, exp_avg_sq, max_exp_avg_sq;
+    int64_t step = -1;  // -1: no AdamW state
+  };
+  // The rank of the shard group that writes each unit to a checkpoint: units are assigned in
+  // order to the rank with the fewest bytes so far (fp32 weights, plus two moments when
+  // trainable), the same on every rank.
+  std::vector<int> unit_writers() const;
+  // The parameters (name, shape, trainable) of the units this rank writes.
+  std::vector<std::tuple<std::string, std::vector<int64_t>, bool>> written_parameters() const;
+  // Checkpointing without the whole model on any device: unit after unit, the shard group
+  // gathers its parameters and the AdamW moments of `shard_state` (an optimizer over
+  // trainable_shards(); nullptr: weights only), `sink` receives each of the unit's parameters
+  // in full on the unit's writer (unit_writers()), and the unit is released again. At most
+  // one unit (and its moments) is gathered at a time. Collective over the shard group.
+  void visit_written_state(const torch::optim::AdamW* shard_state,
+                           const std::function<void(const FullParameter&)>& sink);
   // Every trainable parameter's gradient in full, from the shard gradients (zeros where a
   // shard has none): collective; for checks.
   std::vector<std::pair<std::string, torch::Tensor>> gather_gradients();
@@ -119,13 +141,19 @@ class FullyShardedModel {
   void complete_prefetch();
   void release_unit(Unit& u);
   void reduce_unit_grads(Unit& u);
+  void complete_reduce();
 
   std::string what_;
   ShardingOptions options_;
   std::vector<std::unique_ptr<Unit>> units_;
-  bool hooks_idle_ = false;
   size_t prefetch_unit_ = 0;
   PendingCollective prefetch_;
+  struct PendingReduce {
+    PendingCollective work;
+    size_t unit = 0;
+    std::vector<size_t> entries;  // the unit's entries whose shard gradients receive the result
+  };
+  PendingReduce reduce_;
 };
 
 }  // namespace vqad::dist

@@ -40,10 +40,11 @@ MemoryEstimate estimate_memory(const std::vector<RoleFootprint>& roles, const Me
   std::string parts;
   for (const auto& r : roles) {
     const double n = static_cast<double>(wan_parameter_count(r.model));
-    const double s = n * (r.trainable ? 16.0 : 4.0) / static_cast<double>(m.shard) / kGiB;
+    const bool sharded = m.shard > 1 && (r.trainable || m.shard_frozen);
+    const double s = n * (r.trainable ? 16.0 : 4.0) / static_cast<double>(sharded ? m.shard : 1) / kGiB;
     e.states_gib += s;
-    parts += (parts.empty() ? "" : ", ") + r.name + " " + gib(s);
-    if (m.shard > 1) {
+    parts += (parts.empty() ? "" : ", ") + r.name + " " + gib(s) + (m.shard > 1 && !sharded ? " replicated" : "");
+    if (sharded) {
       const double block = static_cast<double>(wan_block_parameter_count(r.model));
       const double unit = block * static_cast<double>(std::min(m.blocks_per_unit, r.model.num_layers));
       const double root = n - block * static_cast<double>(r.model.num_layers);
@@ -62,7 +63,7 @@ MemoryEstimate estimate_memory(const std::vector<RoleFootprint>& roles, const Me
   }
   e.gathered_gib = gathered / kGiB;
   e.text = "states (fp32 masters + grads + AdamW moments of trainable roles, fp32 weights of frozen ones, / shard " +
-           std::to_string(m.shard) + "): " + gib(e.states_gib) + " (" + parts + ")\n" +
+           std::to_string(m.shard) + (m.shard > 1 && !m.shard_frozen ? " for the trainable ones" : "") + "): " + gib(e.states_gib) + " (" + parts + ")\n" +
            "gathered buffers (fp32 params of the root and " +
            (m.reshard_after_forward ? "two units of " + std::to_string(m.blocks_per_unit) + " block(s)"
                                     : std::string("every block")) +

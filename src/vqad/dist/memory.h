@@ -3,7 +3,8 @@
 // Components, per GPU:
 //  - states: a trainable role holds FP32 master weights, FP32 gradients and two FP32 AdamW
 //    moments (16 bytes per parameter), a frozen role its FP32 weights (4 bytes); both are
-//    divided by hsdp_shard_dim (per-block sharding shards every role's blocks);
+//    divided by hsdp_shard_dim (per-block sharding shards every role's blocks; a frozen role
+//    only with shard_frozen_roles);
 //  - gathered buffers (shard > 1, dist/fully_sharded.h), for the largest role: the FP32
 //    parameters of the root unit (kept from embedding to head) and of two units of
 //    blocks_per_unit blocks (the one computing and the prefetched next one), one unit's full
@@ -38,6 +39,7 @@ struct MemoryMesh {
   bool activation_checkpointing = false;
   int64_t blocks_per_unit = 1;        // training.distributed.fsdp_modules_per_group
   bool reshard_after_forward = true;  // training.distributed.reshard_after_forward
+  bool shard_frozen = true;           // training.distributed.shard_frozen_roles
 };
 
 struct MemoryEstimate {

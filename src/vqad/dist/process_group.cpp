@@ -86,6 +86,9 @@ struct Shared {
   GroupOptions options;
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Store> hb_store;
+  c10d::TCPStoreOptions client_options;       // for the connections opened later
+  std::mutex side_mu;                          // post() / await() from any thread
+  c10::intrusive_ptr<c10d::Store> side_store;  // their connection (opened on first use)
   std::mutex mu;
   std::string beat;  // the record the heartbeat thread publishes
   std::atomic<bool> stop{false};
@@ -200,6 +203,22 @@ struct ProcessGroup::Impl {
     shared->set_beat(name, s, "done", label);
   }
 
+  // Issues f() (a c10d::Work) as the collective `pending` waits for later.
+  template <class F>
+  void issue(std::shared_ptr<void>& work, uint64_t& seq_out, std::string& label, const char* op,
+             const std::string& what, F&& f) {
+    seq_out = ++seq;
+    label = detail::concat(op, "(", what, ")");
+    shared->set_beat(name, seq_out, "in", label);
+    try {
+      work = std::make_shared<c10::intrusive_ptr<c10d::Work>>(f());
+    } catch (const vqad::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      diagnose_and_fail(label, seq_out, e.what());
+    }
+  }
+
   void check_tensor(const torch::Tensor& t, const std::string& what) const {
     VQAD_CHECK(t.defined(), "distributed: ", what, ": undefined tensor");
     const bool want_cuda = shared->options.device.is_cuda();
@@ -240,6 +259,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::init(const LaunchEnv& env, const Gro
     S->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
     so.isServer = false;
     S->hb_store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    S->client_options = so;
   } catch (const std::exception& e) {
     fail("distributed: rank ", env.rank, " could not ", so.isServer ? "host" : "reach", " ", S->store_text(), ": ",
          first_line(e.what()));
@@ -378,17 +398,8 @@ PendingCollective ProcessGroup::all_gather_async(const torch::Tensor& local, con
   p.output_ = torch::empty(sizes, p.input_.options());
   c10d::AllgatherOptions o;
   o.timeout = timeout();
-  p.seq_ = ++impl_->seq;
-  p.label_ = detail::concat("all_gather(", what, ")");
-  impl_->shared->set_beat(impl_->name, p.seq_, "in", p.label_);
-  try {
-    auto work = impl_->backend->_allgather_base(p.output_, p.input_, o);
-    p.work_ = std::make_shared<c10::intrusive_ptr<c10d::Work>>(std::move(work));
-  } catch (const vqad::Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    impl_->diagnose_and_fail(p.label_, p.seq_, e.what());
-  }
+  impl_->issue(p.work_, p.seq_, p.label_, "all_gather", what,
+               [&] { return impl_->backend->_allgather_base(p.output_, p.input_, o); });
   return p;
 }
 
@@ -429,6 +440,28 @@ torch::Tensor ProcessGroup::reduce_scatter(const torch::Tensor& full, ReduceOp o
   impl_->run("reduce_scatter", what, [&] { return impl_->backend->_reduce_scatter_base(out, in, o); });
   if (op == ReduceOp::kAvg) out.div_(static_cast<double>(size()));
   return out;
+}
+
+PendingCollective ProcessGroup::reduce_scatter_async(const torch::Tensor& full, const std::string& what) {
+  impl_->check_tensor(full, what);
+  VQAD_CHECK(full.dim() >= 1 && full.size(0) % size() == 0, "distributed: ", what, ": reduce_scatter needs dim 0 (",
+             full.dim() ? full.size(0) : 0, ") divisible by the group size ", size());
+  PendingCollective p;
+  p.group_ = this;
+  p.input_ = full.contiguous();
+  if (size() == 1) {
+    p.output_ = p.input_.clone();
+    return p;
+  }
+  auto sizes = p.input_.sizes().vec();
+  sizes[0] /= size();
+  p.output_ = torch::empty(sizes, p.input_.options());
+  c10d::ReduceScatterOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  o.timeout = timeout();
+  impl_->issue(p.work_, p.seq_, p.label_, "reduce_scatter", what,
+               [&] { return impl_->backend->_reduce_scatter_base(p.output_, p.input_, o); });
+  return p;
 }
 
 torch::Tensor ProcessGroup::all_to_all(const torch::Tensor& in_, const std::string& what) {
@@ -491,6 +524,75 @@ void ProcessGroup::report_failure(const std::string& message) {
                               to_bytes(first_line(message)));
   } catch (const std::exception&) {
     // The store is gone too; the others see this rank's heartbeat stop.
+  }
+}
+
+namespace {
+c10d::Store& side_store(Shared& S) {
+  if (!S.side_store) {
+    try {
+      S.side_store = c10::make_intrusive<c10d::TCPStore>(S.env.master_addr, S.client_options);
+    } catch (const std::exception& e) {
+      fail("distributed: rank ", S.env.rank, " could not reach ", S.store_text(), ": ", first_line(e.what()));
+    }
+  }
+  return *S.side_store;
+}
+}  // namespace
+
+void ProcessGroup::post(const std::string& key, const std::string& value) {
+  auto& S = *impl_->shared;
+  std::lock_guard<std::mutex> l(S.side_mu);
+  try {
+    side_store(S).set("vqad/msg/" + key, to_bytes(value));
+  } catch (const vqad::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("distributed: rank ", S.env.rank, ": posting ", key, " to ", S.store_text(), " failed: ", first_line(e.what()));
+  }
+}
+
+std::string ProcessGroup::await(const std::string& key, const std::string& what, std::chrono::milliseconds timeout) {
+  auto& S = *impl_->shared;
+  const std::string k = "vqad/msg/" + key;
+  const auto deadline = Clock::now() + timeout;
+  auto last_scan = Clock::now() - std::chrono::seconds(1);
+  try {
+    while (true) {
+      {
+        std::lock_guard<std::mutex> l(S.side_mu);
+        auto& store = side_store(S);
+        if (store.check({k})) return to_string(store.get(k));
+        // A rank that failed or stopped will never post: say so at once (once a second).
+        if (Clock::now() - last_scan >= std::chrono::seconds(1)) {
+          last_scan = Clock::now();
+          for (int r = 0; r < S.env.world_size; ++r) {
+            if (r == S.env.rank) continue;
+            const std::string fk = "vqad/failed/" + std::to_string(r);
+            if (store.check({fk}))
+              fail("distributed: rank ", S.env.rank, " waiting for ", what, ": rank ", r,
+                   " failed: ", to_string(store.get(fk)));
+            const std::string hk = "vqad/hb/" + std::to_string(r);
+            if (store.check({hk})) {
+              Beat b = Beat::parse(to_string(store.get(hk)));
+              const int64_t age = unix_ms() - b.t;
+              if (age > kStaleMs)
+                fail("distributed: rank ", S.env.rank, " waiting for ", what, ": rank ", r,
+                     " stopped responding (no heartbeat for ", seconds_text(age), "; it was ", b.text(), ")");
+            }
+          }
+        }
+      }
+      if (Clock::now() >= deadline)
+        fail("distributed: rank ", S.env.rank, " waiting for ", what, ": nothing arrived within ",
+             seconds_text(timeout.count()), " (every rank's heartbeat is current)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  } catch (const vqad::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("distributed: rank ", S.env.rank, " waiting for ", what, ": ", S.store_text(), " is unreachable (",
+         first_line(e.what()), ")");
   }
 }
 

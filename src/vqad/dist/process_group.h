@@ -85,6 +85,8 @@ class ProcessGroup {
   PendingCollective all_gather_async(const torch::Tensor& local, const std::string& what);
   // `full` split into size() equal chunks along dim 0; rank r receives the reduction of chunk r.
   torch::Tensor reduce_scatter(const torch::Tensor& full, ReduceOp op, const std::string& what);
+  // The same with ReduceOp::kSum, issued now and completed by the returned handle's wait().
+  PendingCollective reduce_scatter_async(const torch::Tensor& full, const std::string& what);
   // `in` split into size() equal chunks along dim 0; chunk j goes to rank j, the output holds
   // the chunks received from ranks 0..size-1 in order.
   torch::Tensor all_to_all(const torch::Tensor& in, const std::string& what);
@@ -94,6 +96,14 @@ class ProcessGroup {
 
   // Called on the way out of a failing rank: the others name this error in theirs.
   void report_failure(const std::string& message);
+
+  // Point-to-point messages through the rendezvous store, usable from any thread (their own
+  // store connection, opened on first use): post() publishes `value` under `key` (keys are
+  // global to the job: callers make them unique, e.g. with a step and a rank); await() waits
+  // for the key up to `timeout`, naming `what` and, when a rank stopped, that rank in its
+  // error. Checkpoint writers use them to hand their files to rank 0 in the background.
+  void post(const std::string& key, const std::string& value);
+  std::string await(const std::string& key, const std::string& what, std::chrono::milliseconds timeout);
 
   struct Impl;
 

@@ -25,6 +25,7 @@ namespace vqad::train {
 namespace {
 const std::regex kCkptName(R"(checkpoint-(\d+))");
 constexpr const char* kTmpPrefix = ".tmp-checkpoint-";
+constexpr const char* kPartsPrefix = ".parts-checkpoint-";  // a sharded save's parts (checkpoint_writer.h)
 
 void fsync_path(const std::string& path, int flags) {
   int fd = ::open(path.c_str(), flags | O_CLOEXEC);
@@ -141,6 +142,12 @@ int remove_stale_checkpoint_temps(const std::string& output_dir) {
   if (!fs::is_directory(output_dir, ec)) return 0;
   for (const auto& e : fs::directory_iterator(output_dir, ec)) {
     const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.rfind(kPartsPrefix, 0) == 0) {
+      log::info("removing ", e.path().string(), " (part of a sharded checkpoint that was not published)");
+      fs::remove_all(e.path());
+      ++n;
+      continue;
+    }
     if (!e.is_directory() || name.rfind(kTmpPrefix, 0) != 0) continue;
     // A complete checkpoint moved aside to be replaced by a newer copy of the same step,
     // when the process died before the copy took its place: put it back.

@@ -82,6 +82,21 @@ void add_tensor_files(std::vector<SnapshotFile>& files, const std::string& dir, 
   files.push_back(std::move(index));
 }
 
+// trainer_state.json, resolved.yaml and (when given) source.yaml, the recipe file as the
+// user wrote it.
+void add_run_files(std::vector<SnapshotFile>& files, const nlohmann::json& trainer_state,
+                   const std::string& resolved_yaml, const std::string& source_yaml) {
+  for (const auto& [rel, bytes] : {std::pair<const char*, std::string>{"trainer_state.json", trainer_state.dump(2) + "\n"},
+                                   {"resolved.yaml", resolved_yaml},
+                                   {"source.yaml", source_yaml}}) {
+    if (bytes.empty() && std::string(rel) == "source.yaml") continue;  // none given
+    SnapshotFile f;
+    f.rel = rel;
+    f.bytes = bytes;
+    files.push_back(std::move(f));
+  }
+}
+
 // The tensors a role's checkpoint holds: weights (all parameters) and the AdamW state of
 // the parameters its optimizer has updated. `opt_state` entries are (param name + ".exp_avg" ...).
 struct RoleTensors {
@@ -289,10 +304,137 @@ SaveTimings CheckpointWriter::last_timings() const {
   return timings_;
 }
 
+namespace {
+std::string part_key(long seq, long step, int part) {
+  return "checkpoint/" + std::to_string(seq) + "/" + std::to_string(step) + "/part" + std::to_string(part);
+}
+std::string parts_dir_prefix(long step) { return ".parts-checkpoint-" + std::to_string(step) + "-r"; }
+
+// The stray parts directories of steps <= `step` (a failed or interrupted sharded save).
+void remove_stale_parts(const std::string& output_dir, long step) {
+  std::error_code ec;
+  if (!fs::is_directory(output_dir, ec)) return;
+  for (const auto& e : fs::directory_iterator(output_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    static const std::string prefix = ".parts-checkpoint-";
+    if (name.rfind(prefix, 0) != 0) continue;
+    const auto r = name.rfind("-r");
+    if (r == std::string::npos || r <= prefix.size()) continue;
+    try {
+      if (std::stol(name.substr(prefix.size(), r - prefix.size())) <= step) fs::remove_all(e.path(), ec);
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+std::string first_line_of(const std::string& s) { return s.substr(0, s.find('\n')); }
+}  // namespace
+
+// A rank other than the publisher: its files into its own directory, then the report.
+void CheckpointWriter::write_peer_part(long step, const std::vector<SnapshotFile>& files) {
+  const std::string key = part_key(in_flight_seq_, step, parts_.part);
+  const fs::path dir = fs::path(output_dir_) / (parts_dir_prefix(step) + std::to_string(parts_.part));
+  nlohmann::json report;
+  size_t bytes = 0;
+  try {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    create_dir_or_fail(dir.string(), "checkpoint part");
+    nlohmann::json list = nlohmann::json::array();
+    for (const auto& f : files) {
+      create_dir_or_fail((dir / f.rel).parent_path().string(), "checkpoint part");
+      std::string header;
+      const auto parts = f.safetensors ? safetensors_parts(f.tensors, f.st_metadata, &header)
+                                       : std::vector<std::string_view>{f.bytes};
+      nlohmann::json entry{{"rel", f.rel}, {"sha256", write_file_hashed((dir / f.rel).string(), parts)},
+                           {"index", f.index}};
+      nlohmann::json tensors = nlohmann::json::object();
+      for (const auto& [name, t] : f.tensors) tensors[name] = t.nbytes();
+      entry["tensors"] = tensors;
+      for (auto part : parts) bytes += part.size();
+      list.push_back(entry);
+    }
+    fsync_tree(dir.string());
+    report = {{"dir", dir.string()}, {"files", list}};
+  } catch (const std::exception& e) {
+    parts_.messages->post(key, nlohmann::json{{"error", first_line_of(e.what())}}.dump());
+    throw;
+  }
+  parts_.messages->post(key, report.dump());
+  std::lock_guard<std::mutex> g(mu_);
+  last_bytes_ = bytes;
+  log::info("checkpoint-", step, ": part ", parts_.part, " of ", parts_.parts, " written (",
+            static_cast<double>(bytes) / (1 << 20), " MiB), handed to rank 0");
+}
+
+// The publisher: every other part's files into `dir` (renamed from the part's directory),
+// then the index files over all parts. Returns the bytes adopted and written.
+size_t CheckpointWriter::adopt_parts(long step, const std::string& dir, const std::vector<SnapshotFile>& own,
+                                     std::map<std::string, std::string>& known) {
+  struct Index {
+    nlohmann::json weight_map = nlohmann::json::object();
+    uint64_t total = 0;
+  };
+  std::map<std::string, Index> indexes;
+  auto add = [&](const std::string& index, const std::string& rel, const std::string& tensor, uint64_t n) {
+    auto& ix = indexes[index];
+    VQAD_CHECK(!ix.weight_map.contains(tensor), "checkpoint-", step, ": tensor '", tensor, "' is in two parts (",
+               ix.weight_map.contains(tensor) ? ix.weight_map[tensor].get<std::string>() : "", " and ", rel, ")");
+    ix.weight_map[tensor] = fs::path(rel).filename().string();
+    ix.total += n;
+  };
+  for (const auto& f : own)
+    if (!f.index.empty())
+      for (const auto& [name, t] : f.tensors) add(f.index, f.rel, name, t.nbytes());
+  size_t bytes = 0;
+  for (int r = 1; r < parts_.parts; ++r) {
+    const std::string what = "part " + std::to_string(r) + " of checkpoint-" + std::to_string(step) + " (rank " +
+                             std::to_string(r) + " of the shard group)";
+    nlohmann::json rep;
+    try {
+      rep = nlohmann::json::parse(parts_.messages->await(part_key(in_flight_seq_, step, r), what, parts_.timeout));
+    } catch (const nlohmann::json::exception& e) {
+      fail("checkpoint-", step, ": malformed report of ", what, ": ", e.what());
+    }
+    if (rep.contains("error"))
+      fail("checkpoint-", step, ": rank ", r, " of the shard group could not write its part: ",
+           rep["error"].get<std::string>());
+    const fs::path from = rep.at("dir").get<std::string>();
+    for (const auto& f : rep.at("files")) {
+      const std::string rel = f.at("rel").get<std::string>();
+      VQAD_CHECK(!known.count(rel), "checkpoint-", step, ": ", rel, " is written by two parts");
+      create_dir_or_fail((fs::path(dir) / rel).parent_path().string(), "checkpoint");
+      std::error_code ec;
+      const auto n = fs::file_size(from / rel, ec);
+      fs::rename(from / rel, fs::path(dir) / rel, ec);
+      VQAD_CHECK(!ec, "checkpoint-", step, ": cannot move ", (from / rel).string(), " (", what, ") into ", dir, ": ",
+                 ec.message());
+      known[rel] = f.at("sha256").get<std::string>();
+      bytes += n;
+      const std::string index = f.value("index", "");
+      if (!index.empty())
+        for (const auto& [name, nb] : f.at("tensors").items()) add(index, rel, name, nb.get<uint64_t>());
+    }
+    std::error_code ec;
+    fs::remove_all(from, ec);
+  }
+  for (const auto& [rel, ix] : indexes) {
+    const std::string text =
+        nlohmann::json{{"metadata", {{"total_size", ix.total}}}, {"weight_map", ix.weight_map}}.dump(2) + "\n";
+    known[rel] = write_file_hashed((fs::path(dir) / rel).string(), {text});
+    bytes += text.size();
+  }
+  return bytes;
+}
+
 void CheckpointWriter::run_write(long step, std::vector<SnapshotFile> files, nlohmann::json metadata) {
   const auto t0 = std::chrono::steady_clock::now();
   staging_.synchronize();
   const double copy_wait = seconds_since(t0);
+  if (parts_.parts > 1 && parts_.part != 0) {
+    write_peer_part(step, files);
+    return;
+  }
   double files_s = 0;
   std::map<std::string, std::string> known;
   size_t bytes = 0;
@@ -334,10 +476,12 @@ void CheckpointWriter::run_write(long step, std::vector<SnapshotFile> files, nlo
     worker();
     for (auto& t : pool) t.join();
     if (first_error) std::rethrow_exception(first_error);
+    if (parts_.parts > 1) bytes += adopt_parts(step, dir, files, known);
     files_s = seconds_since(tf);
     write_metadata(dir, std::move(metadata), known);
   });
   apply_retention(output_dir_, retention_);
+  if (parts_.parts > 1) remove_stale_parts(output_dir_, step);
   std::lock_guard<std::mutex> g(mu_);
   timings_.copy_wait_s = copy_wait;
   timings_.files_s = files_s;
@@ -374,6 +518,7 @@ double CheckpointWriter::save_files_timed(long step,
     timings_.new_host_bytes = static_cast<double>(staging_.allocated_bytes() - allocated_before);
   }
   in_flight_step_ = step;
+  in_flight_seq_ = part_seq_++;
   if (!async_) {
     try {
       run_write(step, std::move(files), std::move(metadata));
@@ -452,26 +597,111 @@ double CheckpointWriter::save(long step, const RoleMap& roles, const std::vector
           for (const auto& [k, v] : rt.steps) o.emplace_back(k, torch::tensor(v, torch::kInt64).reshape({}));
           add_tensor_files(files, name, kOptimizerPrefix, std::move(o), {{"format", "vqad.adamw"}}, shard_bytes_);
         }
-        SnapshotFile ts;
-        ts.rel = "trainer_state.json";
-        ts.bytes = trainer_state.dump(2) + "\n";
-        files.push_back(std::move(ts));
-        SnapshotFile ry;
-        ry.rel = "resolved.yaml";
-        ry.bytes = resolved_yaml;
-        files.push_back(std::move(ry));
-        if (!source_yaml.empty()) {  // the recipe file as the user wrote it
-          SnapshotFile sy;
-          sy.rel = "source.yaml";
-          sy.bytes = source_yaml;
-          files.push_back(std::move(sy));
-        }
+        add_run_files(files, trainer_state, resolved_yaml, source_yaml);
       },
       std::move(metadata), waited, scan);
 }
 
+namespace {
+std::string part_name(const std::string& prefix, int part, int parts) {
+  char b[64];
+  std::snprintf(b, sizeof b, "-part-%05d-of-%05d.safetensors", part + 1, parts);
+  return prefix + b;
+}
+}  // namespace
+
+void CheckpointWriter::prepare_sharded(const std::vector<std::string>& checkpointed,
+                                       const std::map<std::string, dist::FullyShardedModel*>& models,
+                                       const RoleOptimizers& optimizers) {
+  std::vector<HostStaging::Spec> specs;
+  for (const auto& name : checkpointed) {
+    if (!models.count(name) || !optimizers.count(name)) continue;  // save_sharded names the problem
+    const auto device = optimizers.at(name).params.empty() ? torch::Device(torch::kCPU)
+                                                           : optimizers.at(name).params.front().device();
+    for (const auto& [param, sizes, trainable] : models.at(name)->written_parameters()) {
+      specs.push_back({weight_key(name, param), sizes, torch::kFloat32, device});
+      if (!trainable) continue;
+      for (const char* m : {".exp_avg", ".exp_avg_sq"})
+        specs.push_back({optimizer_key(name, param + m), sizes, torch::kFloat32, device});
+    }
+  }
+  staging_.prepare(std::move(specs));
+}
+
+double CheckpointWriter::save_sharded(long step, const RoleMap& roles, const std::vector<std::string>& checkpointed,
+                                      const std::map<std::string, dist::FullyShardedModel*>& models,
+                                      const RoleOptimizers& optimizers, nlohmann::json trainer_state,
+                                      const std::string& resolved_yaml, nlohmann::json metadata,
+                                      const std::string& source_yaml) {
+  VQAD_CHECK(parts_.messages != nullptr && parts_.parts >= 1, "checkpoint-", step,
+             ": a sharded checkpoint needs the writers' group (set_parts)");
+  const auto t0 = std::chrono::steady_clock::now();
+  wait();  // the last good checkpoint must be known before anything below can fail
+  const double waited = seconds_since(t0);
+  for (const auto& name : checkpointed)
+    VQAD_CHECK(roles.count(name) && models.count(name) && optimizers.count(name), "checkpoint-", step, ": role '",
+               name, "' is checkpointed but has no sharded model or optimizer");
+  std::string bad;  // this rank's non-finite tensors (the first few)
+  size_t bad_count = 0;
+  return waited + save_files_timed(
+      step,
+      [&](HostStaging& staging, std::vector<SnapshotFile>& files) {
+        for (const auto& name : checkpointed) {
+          std::vector<std::pair<std::string, torch::Tensor>> w, o;
+          auto check = [&](const std::string& what, const torch::Tensor& t) {
+            if (torch::isfinite(t).all().item<bool>()) return;
+            if (bad_count++ < 4) bad += (bad.empty() ? "" : ", ") + name + ":" + what;
+          };
+          models.at(name)->visit_written_state(
+              optimizers.at(name).adamw.get(), [&](const dist::FullyShardedModel::FullParameter& p) {
+                check(p.name, p.weight);
+                w.emplace_back(p.name, staging.stage(weight_key(name, p.name), p.weight));
+                if (p.step < 0) return;
+                const std::pair<const char*, const torch::Tensor*> moments[] = {
+                    {".exp_avg", &p.exp_avg}, {".exp_avg_sq", &p.exp_avg_sq}, {".max_exp_avg_sq", &p.max_exp_avg_sq}};
+                for (const auto& [suffix, t] : moments) {
+                  if (!t->defined()) continue;
+                  check(p.name + suffix, *t);
+                  o.emplace_back(p.name + suffix, staging.stage(optimizer_key(name, p.name + suffix), *t));
+                }
+                o.emplace_back(p.name + ".step", torch::tensor(p.step, torch::kInt64).reshape({}));
+              });
+          auto add = [&](const std::string& dir, const std::string& prefix,
+                         std::vector<std::pair<std::string, torch::Tensor>> tensors, const char* format) {
+            if (tensors.empty()) return;
+            SnapshotFile f;
+            f.rel = dir + "/" + part_name(prefix, parts_.part, parts_.parts);
+            f.index = dir + "/" + prefix + ".safetensors.index.json";
+            f.safetensors = true;
+            f.st_metadata = {{"format", format}};
+            f.tensors = std::move(tensors);
+            files.push_back(std::move(f));
+          };
+          add(name + "/transformer", kWeightsPrefix, std::move(w), "pt");
+          add(name, kOptimizerPrefix, std::move(o), "vqad.adamw");
+          if (parts_.part == 0) {
+            SnapshotFile c;
+            c.rel = name + "/transformer/config.json";
+            c.bytes = roles.at(name)->model->config().to_json().dump(2) + "\n";
+            files.push_back(std::move(c));
+          }
+        }
+        // Every writer refuses alike when any part holds non-finite values.
+        std::string all;
+        for (const auto& part : parts_.messages->all_gather_string(bad, "checkpoint-" + std::to_string(step) +
+                                                                            " non-finite scan"))
+          if (!part.empty()) all += (all.empty() ? "" : ", ") + part;
+        if (!all.empty())
+          fail("step ", step, ": not saving checkpoint-", step, ": non-finite values in ", all, "; ",
+               last_good_checkpoint_text(last_good(), output_dir_));
+        if (parts_.part != 0) return;
+        add_run_files(files, trainer_state, resolved_yaml, source_yaml);
+      },
+      std::move(metadata), 0, 0);
+}
+
 // ---------------------------------------------------------------------------------------
-static void load_adamw_state(const std::string& path, const Role& role, torch::optim::AdamW& opt) {
+static void load_adamw_state(const std::string& path, const Role& role, torch::optim::AdamW& opt, bool on_host) {
   auto state = path.ends_with(".index.json") ? io::load_sharded(path) : io::load_safetensors(path);
   std::set<std::string> used;
   torch::NoGradGuard ng;
@@ -488,11 +718,13 @@ static void load_adamw_state(const std::string& path, const Role& role, torch::o
                ".step' must be one int64");
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(st->second.item<int64_t>());
-    s->exp_avg(ea->second.to(p.device(), p.scalar_type(), false, true));
-    s->exp_avg_sq(eq->second.to(p.device(), p.scalar_type(), false, true));
+    // On the host the moments stay views of the file mapping (nothing is read until used).
+    const torch::Device dev = on_host ? torch::Device(torch::kCPU) : p.device();
+    s->exp_avg(ea->second.to(dev, p.scalar_type(), false, !on_host));
+    s->exp_avg_sq(eq->second.to(dev, p.scalar_type(), false, !on_host));
     used.insert({ea->first, eq->first, st->first});
     if (auto mx = state.find(k + ".max_exp_avg_sq"); mx != state.end()) {
-      s->max_exp_avg_sq(mx->second.to(p.device(), p.scalar_type(), false, true));
+      s->max_exp_avg_sq(mx->second.to(dev, p.scalar_type(), false, !on_host));
       used.insert(mx->first);
     }
     opt.state()[p.unsafeGetTensorImpl()] = std::move(s);
@@ -504,7 +736,7 @@ static void load_adamw_state(const std::string& path, const Role& role, torch::o
 
 nlohmann::json load_checkpoint_state(const std::string& dir, RoleMap& roles,
                                      const std::vector<std::string>& checkpointed, RoleOptimizers& optimizers,
-                                     LoadTimings* timings) {
+                                     LoadTimings* timings, bool optimizer_state_on_host) {
   LoadTimings lt;
   auto t0 = std::chrono::steady_clock::now();
   require_intact(dir, "resume_from_checkpoint");
@@ -519,9 +751,9 @@ nlohmann::json load_checkpoint_state(const std::string& dir, RoleMap& roles,
     t0 = std::chrono::steady_clock::now();
     auto& opt = *optimizers.at(name).adamw;
     if (fs::is_regular_file(rd / kOptimizerFile)) {
-      load_adamw_state((rd / kOptimizerFile).string(), *role, opt);
+      load_adamw_state((rd / kOptimizerFile).string(), *role, opt, optimizer_state_on_host);
     } else if (fs::is_regular_file(rd / kOptimizerIndex)) {
-      load_adamw_state((rd / kOptimizerIndex).string(), *role, opt);
+      load_adamw_state((rd / kOptimizerIndex).string(), *role, opt, optimizer_state_on_host);
     } else {
       const fs::path legacy = rd / "optimizer.pt";
       VQAD_CHECK(fs::is_regular_file(legacy), dir, ": no optimizer state for role '", name, "' (expected ",

@@ -15,6 +15,19 @@
 // "<param>.exp_avg_sq", "<param>.step" per trainable parameter), trainer_state.json,
 // resolved.yaml, metadata.json (files + metadata_sha256), CHECKPOINT_COMPLETE. Either
 // tensor file is sharded (index + shards) when larger than the writer's shard size.
+//
+// Sharded data parallelism (save_sharded, with set_parts): the ranks of the first shard
+// group write the checkpoint together, nobody holds the whole model. Each rank writes the
+// units it is assigned (FullyShardedModel::unit_writers) as its own files,
+// <role>/transformer/diffusion_pytorch_model-part-<r+1>-of-<S>.safetensors and
+// <role>/optimizer-part-<r+1>-of-<S>.safetensors (a rank with nothing of a kind writes no
+// such file), into a directory of its own (.parts-checkpoint-<step>-r<r>), fsyncs them and
+// reports them (names, sha256, tensors) to rank 0 through the rendezvous store. Rank 0's
+// writer thread adopts the reported files into its temporary checkpoint directory (a rename
+// on the same file system), writes the two index.json files (tensor -> file, the Diffusers
+// layout every reader of vqad and Diffusers accepts) and publishes the checkpoint with one
+// metadata.json over all files. A rank that fails reports its error and rank 0 publishes
+// nothing; any mesh (or one process) resumes the checkpoint through the index files.
 #pragma once
 #include <torch/torch.h>
 
@@ -30,6 +43,8 @@
 #include <utility>
 #include <vector>
 
+#include "vqad/dist/fully_sharded.h"
+#include "vqad/dist/process_group.h"
 #include "vqad/train/integrity.h"
 #include "vqad/train/optimizer.h"
 #include "vqad/train/roles.h"
@@ -43,6 +58,15 @@ struct SnapshotFile {
   bool safetensors = false;
   std::vector<std::pair<std::string, torch::Tensor>> tensors;  // host, contiguous
   std::map<std::string, std::string> st_metadata;
+  std::string index;  // the index.json (rel) that lists this file's tensors, written by the publisher ("" none)
+};
+
+// The ranks that write one checkpoint together (sharded data parallelism): `part` 0 publishes.
+struct CheckpointParts {
+  dist::ProcessGroup* messages = nullptr;  // post()/await() between the writers
+  int part = 0;
+  int parts = 1;
+  std::chrono::milliseconds timeout{600000};
 };
 
 // Host copies of tensors, reused from one save to the next (same key, shape and dtype).
@@ -120,6 +144,19 @@ class CheckpointWriter {
   double save(long step, const RoleMap& roles, const std::vector<std::string>& checkpointed,
               const RoleOptimizers& optimizers, nlohmann::json trainer_state, const std::string& resolved_yaml,
               nlohmann::json metadata, const std::string& source_yaml = "");  // "" = no source.yaml
+  // Sharded data parallelism: this rank's part of checkpoint-<step> (see the file comment);
+  // collective over the shard group of `models` (every rank of the group calls it, also those
+  // of other replicate groups do not). trainer_state, resolved_yaml, metadata and source_yaml
+  // are used by part 0. Requires set_parts.
+  double save_sharded(long step, const RoleMap& roles, const std::vector<std::string>& checkpointed,
+                      const std::map<std::string, dist::FullyShardedModel*>& models, const RoleOptimizers& optimizers,
+                      nlohmann::json trainer_state, const std::string& resolved_yaml, nlohmann::json metadata,
+                      const std::string& source_yaml = "");
+  void set_parts(CheckpointParts parts) { parts_ = parts; }
+  // The host buffers of this rank's part (save_sharded), allocated in the background.
+  void prepare_sharded(const std::vector<std::string>& checkpointed,
+                       const std::map<std::string, dist::FullyShardedModel*>& models,
+                       const RoleOptimizers& optimizers);
   // Allocates the host buffers of these roles' checkpoints (weights and AdamW moments) in
   // the background, so that the first save does not wait for them.
   void prepare(const RoleMap& roles, const std::vector<std::string>& checkpointed, const RoleOptimizers& optimizers);
@@ -143,6 +180,12 @@ class CheckpointWriter {
   double save_files_timed(long step, const std::function<void(HostStaging&, std::vector<SnapshotFile>&)>& build,
                           nlohmann::json metadata, double waited, double scan);
   void run_write(long step, std::vector<SnapshotFile> files, nlohmann::json metadata);
+  void write_peer_part(long step, const std::vector<SnapshotFile>& files);
+  size_t adopt_parts(long step, const std::string& dir, const std::vector<SnapshotFile>& own,
+                     std::map<std::string, std::string>& known);
+  CheckpointParts parts_;
+  long part_seq_ = 0;        // saves of this writer (the same count on every rank)
+  long in_flight_seq_ = -1;  // the save being written: its messages' keys
   std::string output_dir_;
   int retention_ = 0;
   bool async_ = true;
@@ -161,12 +204,14 @@ class CheckpointWriter {
 
 // Verifies dir (metadata hashes), loads the weights and AdamW state of the roles named in
 // `checkpointed` and returns trainer_state.json (validated: step, data, generator_state,
-// optimizer_updates). Every failure is one vqad::Error naming the file.
+// optimizer_updates). Every failure is one vqad::Error naming the file. With
+// `optimizer_state_on_host` the AdamW moments stay host views of the files (a sharded run
+// then moves only its slices to the device: FullyShardedModel::shard_adamw_state).
 struct LoadTimings {
   double verify_s = 0, weights_s = 0, optimizer_s = 0;
 };
 nlohmann::json load_checkpoint_state(const std::string& dir, RoleMap& roles,
                                      const std::vector<std::string>& checkpointed, RoleOptimizers& optimizers,
-                                     LoadTimings* timings = nullptr);
+                                     LoadTimings* timings = nullptr, bool optimizer_state_on_host = false);
 
 }  // namespace vqad::train

@@ -56,7 +56,8 @@ std::string metadata_dir_of(const std::string& path);
 // `resumed` is the metadata of the checkpoint resumed from (null for a fresh run).
 void record_resume_segments(nlohmann::json& metadata, const nlohmann::json& resumed);
 
-// Removes the temporary checkpoint directories (.tmp-checkpoint-*) under output_dir.
+// Removes the temporary checkpoint directories (.tmp-checkpoint-*, and the .parts-checkpoint-*
+// of sharded saves) under output_dir.
 // Called at the start of a run that holds the output directory's RunLock: any such
 // directory then belongs to a run that died. Returns how many were removed.
 int remove_stale_checkpoint_temps(const std::string& output_dir);

@@ -69,11 +69,9 @@ struct Trainer::Impl {
   std::unique_ptr<ValidationRunner> validation;
   std::optional<DevicePeak> peak;  // MFU denominator (none: no MFU)
   std::unique_ptr<dist::DataParallel> dp;  // null in a one-process run
-  // hsdp_shard_dim > 1: every role's parameters sharded (by role); a trainable role's
-  // optimizer then updates its shards, and full_params keeps its module parameters (the
-  // checkpoint's view).
+  // hsdp_shard_dim > 1: the roles' parameters sharded (by role; frozen roles unless
+  // shard_frozen_roles is false); a trainable role's optimizer then updates its shards.
   std::map<std::string, std::unique_ptr<dist::FullyShardedModel>> sharded;
-  std::map<std::string, std::vector<torch::Tensor>> full_params;
   torch::Generator gen;
   long start_step = 0;
   std::string started_at;
@@ -168,8 +166,13 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   impl_->optimizers = build_optimizers(run_, method, roles_);
   impl_->method = method.create(run_, roles_);
   const auto& vc = run_.callbacks.validation;
-  if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start) && (!impl_->dp || impl_->dp->is_main()))
-    impl_->validation = std::make_unique<ValidationRunner>(run_, student, options_.device);
+  // Replicated: rank 0 samples. Sharded: every rank of the first shard group samples with it
+  // (the sharded student's forward gathers its units over that group), rank 0 writes.
+  const bool samples = !impl_->dp || impl_->dp->is_main() ||
+                       (impl_->dp->sharded() && impl_->dp->rank() < tc.distributed.hsdp_shard_dim);
+  if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start) && samples)
+    impl_->validation =
+        std::make_unique<ValidationRunner>(run_, student, options_.device, !impl_->dp || impl_->dp->is_main());
   if (options_.device.is_cuda() && method.mfu_is_student_forward_backward) {
     impl_->peak = device_peak_flops(options_.device);
     if (!impl_->peak) log::warn("mfu: this device is not in vqad's peak-FLOPs table; mfu is not reported");
@@ -220,6 +223,7 @@ void Trainer::print_dry_run() const {
   mm.activation_checkpointing = student.config.enable_gradient_checkpointing_type == "full";
   mm.blocks_per_unit = d.fsdp_modules_per_group;
   mm.reshard_after_forward = d.reshard_after_forward;
+  mm.shard_frozen = d.shard_frozen_roles;
   const auto est = dist::estimate_memory(fp, mm);
   std::cout << "# per-GPU memory estimate, mesh " << d.num_gpus << " GPUs = replicate " << d.hsdp_replicate_dim
             << " x shard " << d.hsdp_shard_dim << ", sp " << d.sp_size << ":\n";
@@ -249,7 +253,10 @@ TrainSummary Trainer::run() {
   nlohmann::json resumed_metadata;
   if (resume) {
     log::info("resuming from ", resume->path, " (step ", resume->step, ")");
-    I.start_step = load_trainer_checkpoint(*resume, run_, roles_, I.optimizers, *I.loader, I.gen);
+    // A sharded run keeps the loaded AdamW moments on the host (views of the files) and
+    // moves only its slices to the device when it shards them below.
+    I.start_step = load_trainer_checkpoint(*resume, run_, roles_, I.optimizers, *I.loader, I.gen,
+                                           I.dp && I.dp->sharded());
     resumed_metadata = read_metadata(resume->path);
     writer.set_last_good(resume->path);
   }
@@ -274,7 +281,12 @@ TrainSummary Trainer::run() {
     // Sharded data parallelism: each rank keeps its shards of every role (and of the AdamW
     // state a resume loaded); the trainable roles' optimizers update the shards.
     const auto& d = tc.distributed;
+    std::vector<std::string> replicated;
     for (auto& [name, role] : roles_) {
+      if (!d.shard_frozen_roles && !I.optimizers.count(name)) {
+        replicated.push_back(name);  // frozen, full weights on every rank (already broadcast)
+        continue;
+      }
       auto s = std::make_unique<dist::FullyShardedModel>(
           name, role->model->shard_units(d.fsdp_modules_per_group),
           dist::ShardingOptions{I.dp->shard_group(), I.dp->replicate_group(), I.dp->dp_size(),
@@ -293,44 +305,41 @@ TrainSummary Trainer::run() {
         const auto opts = static_cast<const torch::optim::AdamWOptions&>(o.adamw->defaults());
         auto adamw = std::make_unique<torch::optim::AdamW>(shards, opts);
         s->shard_adamw_state(*o.adamw, *adamw);
-        I.full_params[name] = o.params;
         o.params = std::move(shards);
         o.adamw = std::move(adamw);
       }
       I.sharded[name] = std::move(s);
     }
     if (main_rank)
-      log::info("sharded data parallel: parameters, gradients and AdamW state of ", roles_.size(),
-                " role(s) split over shard groups of ", d.hsdp_shard_dim, ", replicated ", d.hsdp_replicate_dim,
+      log::info("sharded data parallel: parameters, gradients and AdamW state of ", I.sharded.size(),
+                " role(s) split over shard groups of ", d.hsdp_shard_dim,
+                replicated.empty() ? std::string() : " (frozen, replicated on every rank: " + replicated.front() +
+                                           (replicated.size() > 1 ? " and " + std::to_string(replicated.size() - 1) +
+                                                                        " more" : "") + ")",
+                ", replicated ", d.hsdp_replicate_dim,
                 "x; reshard after forward ", d.reshard_after_forward ? "on" : "off", ", ",
                 d.fsdp_modules_per_group, " block(s) per unit");
   }
-  // A sharded run's optimizers as the checkpoint sees them: over the module parameters, with
-  // the AdamW moments gathered in full (collective) when `with_state`.
-  auto full_view = [&](bool with_state) {
-    RoleOptimizers v;
-    for (auto& [name, o] : I.optimizers) {
-      RoleOptimizer f;
-      f.spec = o.spec;
-      f.schedule = o.schedule;
-      f.updates = o.updates;
-      f.params = I.full_params.at(name);
-      f.adamw = std::make_unique<torch::optim::AdamW>(
-          f.params, static_cast<const torch::optim::AdamWOptions&>(o.adamw->defaults()));
-      if (with_state) I.sharded.at(name)->full_adamw_state(*o.adamw, *f.adamw);
-      v.emplace(name, std::move(f));
-    }
-    return v;
-  };
   const bool sharded = !I.sharded.empty();
-  // Validation samples the student on rank 0; a sharded student is gathered on every rank first.
+  // A sharded run's checkpoints are written by the ranks of the first shard group (global
+  // ranks 0 .. S-1) together, each its units (CheckpointWriter::save_sharded); the other
+  // replicate groups hold the same shards and write nothing.
+  std::map<std::string, dist::FullyShardedModel*> sharded_trainable;
+  bool writes_part = false;
+  if (sharded) {
+    for (auto& [name, o] : I.optimizers) sharded_trainable[name] = I.sharded.at(name).get();
+    dist::ProcessGroup* sg = I.dp->shard_group();
+    writes_part = sg->global_ranks().front() == 0;
+    if (writes_part) writer.set_parts({sg, sg->rank(), sg->size(), sg->timeout()});
+  }
+  // Validation: rank 0 samples the student; a sharded student samples on every rank of the
+  // first shard group, its forward gathering one unit at a time (released again after).
   const auto& vcfg = run_.callbacks.validation;
   auto validate = [&](long step) {
-    dist::FullyShardedModel* s = I.sharded.count("student") ? I.sharded.at("student").get() : nullptr;
-    if (s) s->gather_all();
     std::map<std::string, double> r;
-    if (I.validation) r = I.validation->run(step);
-    if (s) s->release_all();
+    if (!I.validation) return r;
+    r = I.validation->run(step);
+    if (I.sharded.count("student")) I.sharded.at("student")->release_all();
     return r;
   };
 
@@ -347,29 +356,26 @@ TrainSummary Trainer::run() {
   summary.first_step = I.start_step + 1;
   long last_saved = -1;
   // The writer's host buffers are allocated in the background while the first steps run.
-  if (main_rank && save_every > 0) {
-    if (sharded)
-      prepare_trainer_checkpoint(writer, run_, roles_, full_view(false));
-    else
+  if (save_every > 0) {
+    if (sharded && writes_part)
+      prepare_sharded_trainer_checkpoint(writer, run_, sharded_trainable, I.optimizers);
+    else if (!sharded && main_rank)
       prepare_trainer_checkpoint(writer, run_, roles_, I.optimizers);
   }
   // Replicated state: rank 0 snapshots it (its writer thread writes the files), the others
-  // wait for the snapshot.
-  // Sharded: every rank gathers the trainable roles and their AdamW state in full for rank 0's
-  // snapshot, then releases them (the files are the replicated run's: any mesh resumes them).
+  // wait for the snapshot. Sharded: the first shard group snapshots its parts unit by unit
+  // (one unit gathered at a time), rank 0's writer publishes them together.
   auto save = [&](long step) {
-    RoleOptimizers view;
+    const nlohmann::json mesh = I.dp ? I.dp->mesh_json() : nlohmann::json{{"world_size", 1}};
     if (sharded) {
-      for (auto& [name, o] : I.optimizers) I.sharded.at(name)->gather_all();
-      view = full_view(true);
+      if (writes_part)
+        summary.checkpoint_stall_s +=
+            save_sharded_trainer_checkpoint(writer, run_, roles_, step, sharded_trainable, I.optimizers, *I.loader,
+                                            I.gen, I.started_at, mesh, resumed_metadata);
+    } else if (main_rank) {
+      summary.checkpoint_stall_s += save_trainer_checkpoint(writer, run_, roles_, step, I.optimizers, *I.loader,
+                                                            I.gen, I.started_at, mesh, resumed_metadata);
     }
-    if (main_rank) {
-      const nlohmann::json mesh = I.dp ? I.dp->mesh_json() : nlohmann::json{{"world_size", 1}};
-      summary.checkpoint_stall_s += save_trainer_checkpoint(writer, run_, roles_, step, sharded ? view : I.optimizers,
-                                                            *I.loader, I.gen, I.started_at, mesh, resumed_metadata);
-    }
-    if (sharded)
-      for (auto& [name, o] : I.optimizers) I.sharded.at(name)->release_all();
     last_saved = step;
     if (I.dp) I.dp->barrier("checkpoint " + std::to_string(step));
   };
@@ -377,7 +383,7 @@ TrainSummary Trainer::run() {
     writer.wait();
     return last_good_checkpoint_text(writer.last_good(), out);
   };
-  if (ValidationRunner::at_start(vcfg) && I.start_step == 0 && (I.validation || sharded)) {
+  if (ValidationRunner::at_start(vcfg) && I.start_step == 0 && I.validation) {
     auto r = validate(0);
     if (metrics) metrics->log(0, r);
   }
@@ -486,7 +492,7 @@ TrainSummary Trainer::run() {
       rec["mfu"] = step_flops(mc, per_sample, tc.data.train_batch_size * accum * dp, mc.text_len) / dt /
                    I.peak->bf16_dense_flops / static_cast<double>(world);
     }
-    if (ValidationRunner::due(vcfg, step) && (I.validation || sharded))
+    if (ValidationRunner::due(vcfg, step) && I.validation)
       for (const auto& [k, v] : validate(step)) rec[k] = v;
     if (metrics) metrics->log(step, rec);
     summary.losses.push_back(loss);

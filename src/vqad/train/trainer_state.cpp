@@ -56,10 +56,14 @@ void prepare_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, 
   writer.prepare(roles, checkpointed_roles(run), optimizers);
 }
 
-double save_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles, long step,
-                               const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
-                               torch::Generator& gen, const std::string& started_at, const nlohmann::json& mesh,
-                               const nlohmann::json& resumed_metadata) {
+namespace {
+// trainer_state.json and metadata.json of checkpoint-<step>.
+std::pair<nlohmann::json, nlohmann::json> checkpoint_documents(const RunConfig& run, const RoleMap& roles, long step,
+                                                               const RoleOptimizers& optimizers,
+                                                               const data::PrefetchLoader& loader,
+                                                               torch::Generator& gen, const std::string& started_at,
+                                                               const nlohmann::json& mesh,
+                                                               const nlohmann::json& resumed_metadata) {
   nlohmann::json updates = nlohmann::json::object();
   for (const auto& [name, o] : optimizers) updates[name] = o.updates;
   nlohmann::json state;
@@ -75,13 +79,42 @@ double save_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, c
   meta["determinism"] = {{"deterministic_algorithms", at::globalContext().deterministicAlgorithms()},
                          {"cudnn_deterministic", at::globalContext().deterministicCuDNN()},
                          {"cublas_workspace_config", cublas_ws ? nlohmann::json(cublas_ws) : nlohmann::json(nullptr)}};
+  return {std::move(state), std::move(meta)};
+}
+}  // namespace
+
+double save_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles, long step,
+                               const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
+                               torch::Generator& gen, const std::string& started_at, const nlohmann::json& mesh,
+                               const nlohmann::json& resumed_metadata) {
+  auto [state, meta] =
+      checkpoint_documents(run, roles, step, optimizers, loader, gen, started_at, mesh, resumed_metadata);
   return writer.save(step, roles, checkpointed_roles(run), optimizers, std::move(state), run.resolved_yaml,
                      std::move(meta), source_yaml_text(run).value_or(""));
 }
 
+void prepare_sharded_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run,
+                                        const std::map<std::string, dist::FullyShardedModel*>& models,
+                                        const RoleOptimizers& optimizers) {
+  writer.prepare_sharded(checkpointed_roles(run), models, optimizers);
+}
+
+double save_sharded_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles,
+                                       long step, const std::map<std::string, dist::FullyShardedModel*>& models,
+                                       const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
+                                       torch::Generator& gen, const std::string& started_at,
+                                       const nlohmann::json& mesh, const nlohmann::json& resumed_metadata) {
+  auto [state, meta] =
+      checkpoint_documents(run, roles, step, optimizers, loader, gen, started_at, mesh, resumed_metadata);
+  return writer.save_sharded(step, roles, checkpointed_roles(run), models, optimizers, std::move(state),
+                             run.resolved_yaml, std::move(meta), source_yaml_text(run).value_or(""));
+}
+
 long load_trainer_checkpoint(const CheckpointEntry& checkpoint, const RunConfig& run, RoleMap& roles,
-                             RoleOptimizers& optimizers, data::PrefetchLoader& loader, torch::Generator& gen) {
-  const nlohmann::json state = load_checkpoint_state(checkpoint.path, roles, checkpointed_roles(run), optimizers);
+                             RoleOptimizers& optimizers, data::PrefetchLoader& loader, torch::Generator& gen,
+                             bool optimizer_state_on_host) {
+  const nlohmann::json state = load_checkpoint_state(checkpoint.path, roles, checkpointed_roles(run), optimizers,
+                                                     nullptr, optimizer_state_on_host);
   const std::string sp = (fs::path(checkpoint.path) / "trainer_state.json").string();
   try {
     loader.load_state(state.at("data"));

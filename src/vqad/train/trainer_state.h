@@ -32,12 +32,25 @@ double save_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, c
                                torch::Generator& gen, const std::string& started_at,
                                const nlohmann::json& mesh = nlohmann::json{{"world_size", 1}},
                                const nlohmann::json& resumed_metadata = nullptr);
+// Sharded data parallelism: this rank's part of checkpoint-<step> (CheckpointWriter::save_sharded;
+// every rank of the first shard group calls it, the writer's parts set; `optimizers` update
+// the shards). The files are the same Diffusers layout, split by units, with index files.
+void prepare_sharded_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run,
+                                        const std::map<std::string, dist::FullyShardedModel*>& models,
+                                        const RoleOptimizers& optimizers);
+double save_sharded_trainer_checkpoint(CheckpointWriter& writer, const RunConfig& run, const RoleMap& roles,
+                                       long step, const std::map<std::string, dist::FullyShardedModel*>& models,
+                                       const RoleOptimizers& optimizers, const data::PrefetchLoader& loader,
+                                       torch::Generator& gen, const std::string& started_at,
+                                       const nlohmann::json& mesh, const nlohmann::json& resumed_metadata);
 
 // Verifies the checkpoint against its metadata, then restores the checkpointed roles'
 // weights and optimizers, the data position, the generator and the update counts;
 // returns the checkpoint's step. Every failure is one vqad::Error naming the file.
+// `optimizer_state_on_host`: see load_checkpoint_state (sharded runs).
 long load_trainer_checkpoint(const CheckpointEntry& checkpoint, const RunConfig& run, RoleMap& roles,
-                             RoleOptimizers& optimizers, data::PrefetchLoader& loader, torch::Generator& gen);
+                             RoleOptimizers& optimizers, data::PrefetchLoader& loader, torch::Generator& gen,
+                             bool optimizer_state_on_host = false);
 
 // Generator state <-> hex text (trainer_state.json).
 std::string hex_encode(const torch::Tensor& bytes);

@@ -82,8 +82,9 @@ ValidationPrompts load_validation_prompts(const std::string& path, int64_t text_
   return p;
 }
 
-ValidationRunner::ValidationRunner(const RunConfig& run, std::shared_ptr<Role> student, torch::Device device)
-    : run_(run), student_(std::move(student)), device_(device) {
+ValidationRunner::ValidationRunner(const RunConfig& run, std::shared_ptr<Role> student, torch::Device device,
+                                   bool writes)
+    : run_(run), student_(std::move(student)), device_(device), writes_(writes) {
   const auto& v = run_.callbacks.validation;
   const auto& mc = student_->model->config();
   VQAD_CHECK(v.every_steps > 0 || v.run_at_start, "callbacks.validation: every_steps is 0 and run_at_start false");
@@ -106,6 +107,7 @@ ValidationRunner::ValidationRunner(const RunConfig& run, std::shared_ptr<Role> s
   const std::string student_init = run_.models.count("student") ? run_.models.at("student").init_from : "";
   if (vae_dir.empty() && !student_init.empty() && fs::exists(fs::path(student_init) / "vae" / "config.json"))
     vae_dir = student_init;
+  if (!writes_) return;  // samples only: no VAE, nothing to announce
   if (!vae_dir.empty() && vae_dir != "none") {
     try {
       vae_ = std::make_shared<media::WanVaeDecoder>(media::WanVaeDecoder::load(vae_dir, device_, torch::kFloat32));
@@ -136,6 +138,7 @@ std::map<std::string, double> ValidationRunner::run(long step) {
   std::string sampler;
   torch::Tensor latents = sampler_.sample(*student_, noise, text, gen, &sampler);
   latents = latents.cpu();
+  if (!writes_) return {};
   const fs::path dir = fs::path(out_dir_) / ("step-" + std::to_string(step));
   fs::create_directories(dir);
   nlohmann::json caps = prompts_.captions;

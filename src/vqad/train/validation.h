@@ -49,14 +49,19 @@ ValidationPrompts load_validation_prompts(const std::string& path, int64_t text_
 class ValidationRunner {
  public:
   // Throws (naming the key) when the prompts or the latent geometry cannot be resolved.
-  ValidationRunner(const RunConfig& run, std::shared_ptr<Role> student, torch::Device device);
+  // `writes`: this rank writes the files and decodes them (the VAE is loaded only then). A
+  // sharded run builds a runner on every rank of the first shard group: they sample
+  // together, the student's units gathered one at a time by its forward (no rank holds the
+  // whole student), and only rank 0 writes.
+  ValidationRunner(const RunConfig& run, std::shared_ptr<Role> student, torch::Device device, bool writes = true);
   // The schedule of callbacks.validation, the same on every rank (whether or not the rank
   // holds a runner): due after `step`, and before the first step.
   static bool due(const ValidationConfig& v, long step) {
     return v.enabled && v.every_steps > 0 && step % v.every_steps == 0;
   }
   static bool at_start(const ValidationConfig& v) { return v.enabled && v.run_at_start; }
-  // Samples, writes the files, returns metrics ("validation/seconds", ...).
+  // Samples, writes the files (when `writes`), returns metrics ("validation/seconds", ...;
+  // none on a rank that does not write).
   std::map<std::string, double> run(long step);
   const std::vector<int64_t>& latent_shape() const { return shape_; }
   bool decodes_video() const { return vae_ != nullptr; }
@@ -71,6 +76,7 @@ class ValidationRunner {
   std::string out_dir_;
   int64_t v_fps() const;
   std::shared_ptr<media::WanVaeDecoder> vae_;  // null: latents and the latent preview only
+  bool writes_ = true;
 };
 
 }  // namespace vqad::train
