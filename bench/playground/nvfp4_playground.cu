@@ -16,10 +16,11 @@
 //     src/vqad/kernels/linear/nvfp4_linear_kernels.cu src/vqad/numerics/nvfp4.cpp \
 //     -lcublasLt -o /tmp/nvfp4_pg
 //   /tmp/nvfp4_pg check time linear [golden tests/data/nvfp4_golden_public.safetensors]
-// -DPG_KERNELS_ONLY leaves out the parts that need this tree's nvfp4_math.h and
-// the linear kernels (to time an older kernel file with the same driver: put the
-// older nvfp4_kernels.cu/.h and nvfp4_math.h under OLD/src/vqad/kernels/nvfp4/ and
-// build with -IOLD/src -Isrc OLD/src/vqad/kernels/nvfp4/nvfp4_kernels.cu).
+// -DPG_KERNELS_ONLY leaves out the parts that need this tree's common/nvfp4_math.h
+// and the linear kernels (to time an older kernel file with the same driver: put the
+// older nvfp4_kernels.cu/.h under OLD/src/vqad/kernels/nvfp4/ and the nvfp4_math.h it
+// includes at its path under OLD/src, and build with -IOLD/src -Isrc
+// OLD/src/vqad/kernels/nvfp4/nvfp4_kernels.cu).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -47,7 +48,7 @@
 #include <cublasLt.h>
 
 #include "vqad/kernels/linear/nvfp4_linear_kernels.h"
-#include "vqad/kernels/nvfp4/nvfp4_math.h"
+#include "vqad/kernels/common/nvfp4_math.h"
 #endif
 
 namespace nvr = vqad::nvfp4;
@@ -750,7 +751,7 @@ __global__ void e4m3_exhaustive_kernel() {
   unsigned long long bad = 0;
   for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u <= 0x7F800000ull; u += stride) {
     const float v = __uint_as_float(uint32_t(u));
-    const uint32_t hw = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hw = vqad::kernels::nvfp4_device::e4m3_byte(v);
     if (hw != km::e4m3_encode_nonneg(v)) ++bad;
   }
   if (bad) atomicAdd(&g_bad_e4m3, bad);

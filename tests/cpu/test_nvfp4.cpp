@@ -1,5 +1,5 @@
 // NVFP4 scalar reference (numerics/nvfp4.h) and the shared kernel arithmetic
-// (kernels/nvfp4/nvfp4_math.h) checked against independent brute-force
+// (kernels/common/nvfp4_math.h) checked against independent brute-force
 // definitions of the formats.
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "vqad/core/error.h"
-#include "vqad/kernels/nvfp4/nvfp4_math.h"
+#include "vqad/kernels/common/nvfp4_math.h"
 #include "vqad/numerics/nvfp4.h"
 
 namespace nv = vqad::nvfp4;
@@ -132,6 +132,34 @@ TEST(Nvfp4Scalar, E2M1EncodeMatchesBruteForceAndKernelMath) {
   }
 }
 
+TEST(Nvfp4Scalar, E2M1RoundMagnitudeEqualsComparisonChainOnEveryNonNegativeFloat) {
+  // The reference's comparisons (numerics/nvfp4.cpp) as magnitudes, written out here as the
+  // independent definition: the NVFP4 linear kernel's former local form, which it replaced
+  // by e2m1_round_magnitude. Every non-negative bit pattern, +inf and the NaNs (-> 6)
+  // included; the code form gives the same magnitude.
+  const auto chain = [](float a) {
+    if (a <= 0.25f) return 0.0f;
+    if (a < 0.75f) return 0.5f;
+    if (a <= 1.25f) return 1.0f;
+    if (a < 1.75f) return 1.5f;
+    if (a <= 2.5f) return 2.0f;
+    if (a < 3.5f) return 3.0f;
+    if (a <= 5.0f) return 4.0f;
+    return 6.0f;
+  };
+  uint64_t bad_round = 0, bad_code = 0;
+  uint32_t first_round = 0, first_code = 0;
+  for (uint64_t i = 0; i <= 0x7FFFFFFFu; ++i) {
+    const uint32_t u = static_cast<uint32_t>(i);
+    const float a = from_bits(u);
+    const uint32_t want = bits_of(chain(a));
+    if (bits_of(km::e2m1_round_magnitude(a)) != want && bad_round++ == 0) first_round = u;
+    if (bits_of(km::e2m1_magnitude(km::e2m1_code_magnitude(a))) != want && bad_code++ == 0) first_code = u;
+  }
+  EXPECT_EQ(bad_round, 0u) << "e2m1_round_magnitude differs first at bits " << std::hex << first_round;
+  EXPECT_EQ(bad_code, 0u) << "e2m1_magnitude(e2m1_code_magnitude) differs first at bits " << std::hex << first_code;
+}
+
 TEST(Nvfp4Scalar, E4M3DecodeEncodeRoundTripAllBytes) {
   for (int b = 0; b < 256; ++b) {
     const float v = nv::e4m3_decode(static_cast<uint8_t>(b));
@@ -204,6 +232,24 @@ TEST(Nvfp4Scalar, ScaleModesAndEncodeScale) {
   EXPECT_TRUE(std::isnan(nv::encode_scale_from_amax(std::nanf(""))));
   for (float a : {0.0f, 1e-13f, 3.0f, 1e6f, std::numeric_limits<float>::infinity(), std::nanf("")}) {
     EXPECT_TRUE(same_float(nv::encode_scale_from_amax(a), km::encode_scale_from_amax(a))) << a;
+  }
+}
+
+TEST(Nvfp4Scalar, LinearEncodeScaleFloorsNaNAmax) {
+  // The NVFP4 linear kernel's s_enc, encode_scale_from_amax(amax > 1e-12 ? amax : 1e-12),
+  // equals its former local form (1 / (amax > 1e-12 ? amax : 1e-12)) * 2688 for every
+  // amax, NaN (-> the floor) included: every 61st bit pattern of both signs plus specials.
+  const auto former = [](float amax) { return (1.0f / (amax > 1e-12f ? amax : 1e-12f)) * 2688.0f; };
+  const auto now = [](float amax) { return km::encode_scale_from_amax(amax > 1e-12f ? amax : 1e-12f); };
+  for (float a : {0.0f, -0.0f, 1e-12f, std::nextafter(1e-12f, 0.0f), std::nextafter(1e-12f, 1.0f),
+                  std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::denorm_min(), std::nanf(""), -std::nanf(""), from_bits(0x7F800001u),
+                  from_bits(0xFFFFFFFFu), 448.0f * 6.0f, 1.0f}) {
+    ASSERT_EQ(bits_of(now(a)), bits_of(former(a))) << "amax bits " << std::hex << bits_of(a);
+  }
+  for (uint64_t i = 0; i <= 0xFFFFFFFFu; i += 61) {
+    const float a = from_bits(static_cast<uint32_t>(i));
+    if (bits_of(now(a)) != bits_of(former(a))) FAIL() << "amax bits " << std::hex << i;
   }
 }
 

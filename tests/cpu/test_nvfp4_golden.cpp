@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "vqad/core/safetensors.h"
-#include "vqad/kernels/nvfp4/nvfp4_math.h"
+#include "vqad/kernels/common/nvfp4_math.h"
 #include "vqad/numerics/nvfp4.h"
 
 namespace nv = vqad::nvfp4;

@@ -2,13 +2,12 @@
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
-
 
 #include "vqad/kernels/common/cublaslt.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
 #include "vqad/kernels/common/launch.h"
+#include "vqad/kernels/common/nvfp4_math.h"
 
 namespace vqad::kernels::fp4 {
 namespace {
@@ -17,13 +16,8 @@ constexpr int kThreads = 256;
 constexpr const char* kGemmWhat = "nvfp4 block-scaled FP4 GEMM";
 #define LT_CHECK_GEMM(expr) VQAD_LT_CHECK(kGemmWhat, expr)
 
-__device__ __forceinline__ uint8_t e4m3_byte(float v) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-
-__device__ __forceinline__ float e4m3_value(uint8_t b) {
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
-}
+using nvfp4_device::e4m3_byte;
+using nvfp4_device::e4m3_value;
 
 // Two E2M1 codes in one byte: lo in bits 0..3, hi in bits 4..7 (the instruction puts its
 // first source operand in the upper half).

@@ -2,14 +2,13 @@
 // 16-channel block of one token per thread, bit-exact with nvfp4::quantize_block.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <string>
 
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/common/cuda_check.h"
-#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/common/nvfp4_math.h"
 
 namespace vqad::kernels::attention {
 namespace {

@@ -1,7 +1,5 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstring>
@@ -11,6 +9,7 @@
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/device.h"
 #include "vqad/kernels/common/launch.h"
+#include "vqad/kernels/common/nvfp4_math.h"
 #include "vqad/kernels/linear/nvfp4_linear_kernels.h"
 
 namespace vqad::kernels::linear {
@@ -18,7 +17,6 @@ namespace {
 
 constexpr const char* kGemmWhat = "nvfp4 linear BF16 GEMM";
 #define LT_CHECK_GEMM(expr) VQAD_LT_CHECK(kGemmWhat, expr)
-constexpr float kGlobalAmaxTarget = 2688.0f;  // 448 * 6
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float to_bf16_value(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
@@ -85,9 +83,11 @@ __global__ void bf16_amax_kernel(const T* __restrict__ x, int64_t n, bool vector
   }
 }
 
+// nvfp4::encode_scale_from_amax (reciprocal, then multiply by 2688) of max(amax, 1e-12):
+// the comparison takes a NaN amax to the floor (this op's contract), where the scalar
+// form alone would propagate it; for every other amax the floor is the scalar form's own.
 __device__ __forceinline__ float encode_scale_from_amax(float amax) {
-  // Reciprocal, then multiply: the order that reproduces the golden vectors (see nvfp4::encode_scale_from_amax).
-  return __fmul_rn(__fdiv_rn(1.0f, amax > 1e-12f ? amax : 1e-12f), kGlobalAmaxTarget);
+  return nvfp4::encode_scale_from_amax(amax > 1e-12f ? amax : 1e-12f);
 }
 
 __global__ void linear_scales_kernel(const float* amax_x, float act_s_enc, const float* amax_w, float* scales) {
@@ -100,23 +100,11 @@ __global__ void linear_scales_kernel(const float* amax_x, float act_s_enc, const
 }
 
 // E2M1 magnitude of a >= 0 after round-to-nearest-even (ties to the even code),
-// saturating at 6; NaN gives 6 (its block is NaN anyway). Same comparisons as the
-// scalar reference.
-__device__ __forceinline__ float e2m1_round_magnitude(float a) {
-  if (a <= 0.25f) return 0.0f;
-  if (a < 0.75f) return 0.5f;
-  if (a <= 1.25f) return 1.0f;
-  if (a < 1.75f) return 1.5f;
-  if (a <= 2.5f) return 2.0f;
-  if (a < 3.5f) return 3.0f;
-  if (a <= 5.0f) return 4.0f;
-  return 6.0f;
-}
-
-__device__ __forceinline__ float e4m3_rn_satfinite(float v) {
-  const __nv_fp8_storage_t bits = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(bits, __NV_E4M3)));
-}
+// saturating at 6; NaN gives 6 (its block is NaN anyway): the scalar form, equal to the
+// reference's comparison chain on every non-negative float (tests/cpu/test_nvfp4.cpp on
+// the host, tests/gpu/test_nvfp4_device_forms_cuda.cu on the device).
+using nvfp4::e2m1_round_magnitude;
+using nvfp4_device::e4m3_rn_satfinite;
 
 // Two adjacent lanes share one 16-element block, 8 elements each, so a warp reads
 // 512 contiguous bytes (bf16) per step. Every pair is either fully in range or fully

@@ -3,7 +3,7 @@
 // all loads of an iteration issued before any arithmetic, so that enough bytes
 // are in flight to keep HBM busy; consecutive threads take consecutive blocks,
 // grid-stride over the flat block index with a grid sized to the SM count and
-// the kernel's occupancy. The arithmetic is nvfp4_math.h, the code the CPU
+// the kernel's occupancy. The arithmetic is common/nvfp4_math.h, the code the CPU
 // tests check against the scalar reference: per block the E4M3 scale (the
 // hardware cvt.rn.satfinite.e4m3x2 on sm_89+, equal to e4m3_encode_nonneg for
 // every non-negative float) and, from a 128-entry table in shared memory, its
@@ -16,7 +16,6 @@
 // magic-constant add as a byte (e2m1_code_byte), and the bytes and the BF16 sign
 // bits are placed into nibbles with byte permutes (pack8_bf16).
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -27,8 +26,8 @@
 
 #include "vqad/core/error.h"
 #include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/nvfp4_math.h"
 #include "vqad/kernels/nvfp4/nvfp4_kernels.h"
-#include "vqad/kernels/nvfp4/nvfp4_math.h"
 
 namespace vqad::kernels::nvfp4 {
 namespace {
@@ -213,7 +212,7 @@ __device__ __forceinline__ float resolve_scale(const EncodeScale& s) {
 // E4M3 byte of v >= 0 (+inf included; NaN is handled by the caller).
 __device__ __forceinline__ uint32_t e4m3_encode_fast(float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+  return nvfp4_device::e4m3_byte(v);
 #else
   return e4m3_encode_nonneg(v);
 #endif
@@ -316,20 +315,7 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
-// e2m1_code_magnitude(|x * inv|) in the low byte of the result (bits 8.. are not
-// zero). The magic constant of e2m1_round_magnitude, C = 2^(22+j) for c in binade
-// j = 0, 1, 2 (c < 2, [2, 4), [4, 6]), gets 2j in its low mantissa bits:
-// C = ((e + 22) << 23) + 2 (e - 127) with e = max(exponent of c, 127), one
-// multiply-add. c + C rounds c onto the E2M1 grid (the offset is even, so ties to
-// even are unchanged) and its low bits count grid steps from 2j, which is the
-// code: 0..4 for j = 0, 2 + {2, 3, 4} for j = 1, 4 + {2, 3} for j = 2. Checked
-// equal to e2m1_code_magnitude on every non-negative float.
-__device__ __forceinline__ uint32_t e2m1_code_byte(float x, float inv) {
-  const float c = fminf(fabsf(mul_rn(x, inv)), 6.0f);
-  const uint32_t e = max(f2u(c) >> 23, 127u);
-  const uint32_t cb = e * 0x800002u + (0x0B000000u - 254u);
-  return f2u(add_rn(c, u2f(cb)));
-}
+using nvfp4_device::e2m1_code_byte;  // the code of |x * inv| in the low byte
 
 // Eight codes (elements of words w[0..3], element 2i in the low nibble of byte i):
 // code bytes gathered with byte permutes, signs taken from the BF16 high bytes.

@@ -35,7 +35,6 @@
 // No atomics; every sum has a fixed order, so results are bitwise reproducible.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -47,7 +46,7 @@
 #include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
 #include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
-#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/common/nvfp4_math.h"
 #include "vqad/kernels/common/sm90_ptx.cuh"
 #include "vqad/kernels/vsa/vsa_internal.cuh"
 #include "vqad/kernels/vsa/vsa_kernels.h"
@@ -58,6 +57,7 @@ namespace {
 using nvfp4_device::div6;
 using nvfp4_device::e2m1_rne_magnitude;
 using nvfp4_device::e4m3_bytes2;
+using nvfp4_device::e4m3_value;
 using sm90::cp_async16;
 using sm90::cp_async_commit;
 using sm90::cp_async_wait;
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams 
   load_tile64(sQ, p.q + head_off + static_cast<int64_t>(qb) * kTileElems, tid);
   cp_async_commit();
   if (tid < 128) {
-    const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
+    const float S = e4m3_value(static_cast<uint8_t>(tid));
     table[tid] = make_float2(S, __frcp_rn(S));
   }
   if (warp == 0) {

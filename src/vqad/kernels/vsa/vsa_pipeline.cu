@@ -9,7 +9,6 @@
 // them), which keeps the coarse scores, and so the selection, equal to the reference's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -18,7 +17,7 @@
 
 #include "vqad/core/error.h"
 #include "vqad/kernels/common/cuda_check.h"
-#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/common/nvfp4_math.h"
 #include "vqad/kernels/vsa/vsa_internal.cuh"
 #include "vqad/kernels/vsa/vsa_kernels.h"
 

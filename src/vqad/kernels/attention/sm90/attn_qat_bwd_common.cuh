@@ -14,7 +14,7 @@
 #include "vqad/kernels/attention/attention_qat_bwd.h"
 #include "vqad/kernels/common/launch.h"
 #include "vqad/kernels/common/device.h"
-#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/common/nvfp4_math.h"
 #include "vqad/kernels/common/sm90_ptx.cuh"
 
 namespace vqad::kernels::attn_bwd {
@@ -167,7 +167,7 @@ void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, At
 // ---------------------------------------------------------------------------
 // PTX wrappers
 // ---------------------------------------------------------------------------
-// From kernels/common/sm90_ptx.cuh and nvfp4_device.cuh (the shared definitions).
+// From kernels/common/sm90_ptx.cuh and nvfp4_math.h (the shared definitions).
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return sm90::smem_addr(p); }
 using sm90::cp_async16;
 using sm90::cp_async_commit;
@@ -176,6 +176,9 @@ using sm90::fast_exp2;
 using sm90::pack_bf16;
 using nvfp4_device::div6;
 using nvfp4_device::e2m1_round_nonneg;
+using nvfp4_device::e4m3_value;
+using nvfp4_device::e4m3x2_bytes;
+using nvfp4_device::e4m3x2_values;
 using nvfp4_device::scale_reciprocal;
 
 // ---------------------------------------------------------------------------
@@ -233,11 +236,11 @@ __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const fl
   // (amax / 6 in IEEE fp32, then round-to-nearest-even with saturation).
   uint16_t pk;
   if constexpr (kTable) {
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pk) : "f"(div6(z[1])), "f"(div6(z[0])));
+    const float hi = div6(z[1]), lo = div6(z[0]);
+    pk = e4m3x2_bytes(lo, hi);
   } else {
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
-        : "=h"(pk)
-        : "f"(__fdiv_rn(z[1], 6.0f)), "f"(__fdiv_rn(z[0], 6.0f)));
+    const float hi = __fdiv_rn(z[1], 6.0f), lo = __fdiv_rn(z[0], 6.0f);
+    pk = e4m3x2_bytes(lo, hi);
   }
   // All-gather the bytes: word k of `words` holds the scales of columns 4k..4k+3.
   const uint32_t mine = pk;
@@ -260,10 +263,7 @@ __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const fl
         const float2 t1 = table[(words[k] >> (16 * half + 8)) & 0x7F];
         s_e[0] = t0.x, s_e[1] = t1.x, inv_e[0] = t0.y, inv_e[1] = t1.y;
       } else {
-        uint32_t h2;
-        const uint16_t pair = static_cast<uint16_t>(words[k] >> (16 * half));
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(pair));
-        const float2 s2 = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+        const float2 s2 = e4m3x2_values(static_cast<uint16_t>(words[k] >> (16 * half)));
         s_e[0] = s2.x, s_e[1] = s2.y;
         inv_e[0] = scale_reciprocal(s2.x), inv_e[1] = scale_reciprocal(s2.y);
       }

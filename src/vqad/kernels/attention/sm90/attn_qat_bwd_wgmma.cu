@@ -28,7 +28,6 @@
 // canonical 128B-swizzle layout of wgmma, both as a K-major operand (k = head
 // dim) and as an N-major one (n = head dim, k = rows).
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -234,7 +233,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   }
   cp_async_commit();
   if (tid < 128) {  // visible after the first barrier of the loop
-    const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
+    const float S = e4m3_value(static_cast<uint8_t>(tid));
     sScale[tid] = make_float2(S, tid == 0 ? 0.0f : __frcp_rn(S));
   }
 

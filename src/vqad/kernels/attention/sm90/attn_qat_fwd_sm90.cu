@@ -26,7 +26,6 @@
 // so P and P^ never touch shared memory.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cmath>
 #include <string>
@@ -34,7 +33,7 @@
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
-#include "vqad/kernels/common/nvfp4_device.cuh"
+#include "vqad/kernels/common/nvfp4_math.h"
 #include "vqad/kernels/common/sm90_ptx.cuh"
 
 namespace vqad::kernels::attention {
@@ -236,6 +235,7 @@ constexpr int kOnesBytes = 256;
 
 using nvfp4_device::e2m1_rne_magnitude;  // nearest E2M1 magnitude, ties to even, saturating at 6
 using nvfp4_device::e4m3_bytes2;
+using nvfp4_device::e4m3_value;
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t r;
@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   KV kv = KV::make(p, visit, b, h, m_block);
 
   if (QUANT_P && tid < 128) {
-    const float S = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(tid), __NV_E4M3)));
+    const float S = e4m3_value(static_cast<uint8_t>(tid));
     scale_table[tid] = make_float2(__uint_as_float(pack_bf16(S, S)), __frcp_rn(S));
   }
   // bf16 ones after the scale table (row-sum wgmma), visible after the first barrier
