@@ -42,7 +42,17 @@ std::string hostname() {
   return host;
 }
 
-bool pid_alive(long pid) { return pid > 0 && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM); }
+// A zombie (killed, not yet reaped: e.g. a rank of a launched job whose launcher was killed
+// too, under an init that does not reap) holds nothing and counts as gone.
+bool pid_alive(long pid) {
+  if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return true;
+  const auto close = text.rfind(')');  // "pid (comm) S ...": the state follows the command name
+  return close == std::string::npos || close + 2 >= text.size() ||
+         (text[close + 2] != 'Z' && text[close + 2] != 'X');
+}
 
 bool complete(const fs::path& dir) { return fs::is_regular_file(dir / kCheckpointMarker); }
 
