@@ -40,6 +40,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/device_buffers.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/nvfp4/nvfp4_kernels.h"
 #include "vqad/numerics/nvfp4.h"
@@ -97,43 +98,26 @@ void parallel_for(int64_t n, F f) {
 }
 
 constexpr size_t kSentinel = 256;
-constexpr uint8_t kPoison = 0xFF;
 
+// Device bytes with a poisoned sentinel zone past the end (tests/support/device_buffers.h,
+// the buffers of the GPU tests), in the byte-sized interface the cases below use.
 class DeviceBuffer {
  public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    VQAD_CUDA_CHECK(cudaMalloc(&ptr_, bytes + kSentinel));
-    VQAD_CUDA_CHECK(cudaMemset(ptr_, kPoison, bytes + kSentinel));
-  }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  explicit DeviceBuffer(size_t bytes) : buf_(bytes, vqad::test::kPoisonByte, kSentinel) {}
   template <typename T = void>
-  T* get() const { return static_cast<T*>(ptr_); }
-  void upload(const void* src, size_t n) { VQAD_CUDA_CHECK(cudaMemcpy(ptr_, src, n, cudaMemcpyHostToDevice)); }
+  T* get() const { return buf_.as<T>(); }
+  void upload(const void* src, size_t n) { buf_.upload(src, n); }
   template <typename T>
-  std::vector<T> download(size_t count) const {
-    std::vector<T> out(count);
-    VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-    VQAD_CUDA_CHECK(cudaMemcpy(out.data(), ptr_, count * sizeof(T), cudaMemcpyDeviceToHost));
-    return out;
-  }
+  std::vector<T> download(size_t count) const { return buf_.download_as<T>(count); }
   bool sentinel_ok(const char* what) const {
-    std::vector<uint8_t> tail(kSentinel);
-    VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-    VQAD_CUDA_CHECK(cudaMemcpy(tail.data(), static_cast<uint8_t*>(ptr_) + bytes_, kSentinel, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < kSentinel; ++i) {
-      if (tail[i] != kPoison) {
-        PG_FAIL("%s: write past the end at byte %zu", what, i);
-        return false;
-      }
-    }
-    return true;
+    size_t first = 0;
+    if (buf_.sentinel_damage(&first) == 0) return true;
+    PG_FAIL("%s: write past the end at byte %zu", what, first);
+    return false;
   }
 
  private:
-  void* ptr_ = nullptr;
-  size_t bytes_;
+  vqad::test::DeviceBuffer<uint8_t> buf_;
 };
 
 // --- random cases (the GPU test's run_case, without gtest) ------------------------------
@@ -208,7 +192,7 @@ DeviceInput place(const std::vector<float>& x, int64_t rows, int64_t cols, kn::D
       }
     }
   }
-  std::vector<uint8_t> host(rows * stride * es, kPoison);
+  std::vector<uint8_t> host(rows * stride * es, vqad::test::kPoisonByte);
   DeviceInput in;
   in.view.dtype = dtype;
   for (int64_t r = 0; r < rows; ++r) {

@@ -285,3 +285,24 @@ TEST(DistMemory, FrozenRolesReplicatedOnRequest) {
   EXPECT_NE(replicated.text.find("teacher"), std::string::npos);
   EXPECT_NE(replicated.text.find("replicated"), std::string::npos) << replicated.text;
 }
+
+TEST(DistMemory, UnreducedAccumulationHoldsEveryTrainableRolesFullGradients) {
+  // DMD2 at 1.3B, shard 4, gradient accumulation: accumulate_unreduced_gradients keeps the
+  // student's and the critic's full fp32 gradients on every rank over the micro-steps (the
+  // frozen teacher has none); without it only one unit's gradients are held at a time.
+  dist::MemoryMesh m;
+  m.shard = 4;
+  m.tokens_per_sample = 21 * 30 * 52;
+  const std::vector<dist::RoleFootprint> roles{{"student", model::WanConfig::wan_1_3b(), true},
+                                               {"teacher", model::WanConfig::wan_1_3b(), false},
+                                               {"critic", model::WanConfig::wan_1_3b(), true}};
+  const auto per_step = dist::estimate_memory(roles, m);
+  m.unreduced_accumulation = true;
+  const auto unreduced = dist::estimate_memory(roles, m);
+  const double grads_gib =
+      4.0 * static_cast<double>(dist::wan_parameter_count(model::WanConfig::wan_1_3b())) / (1024.0 * 1024.0 * 1024.0);
+  EXPECT_NEAR(unreduced.gathered_gib - per_step.gathered_gib, 2.0 * grads_gib, 1e-9) << unreduced.text;
+  EXPECT_NEAR(unreduced.states_gib, per_step.states_gib, 1e-12);
+  EXPECT_NE(unreduced.text.find("full fp32 grads held over the micro-steps"), std::string::npos) << unreduced.text;
+  EXPECT_EQ(per_step.text.find("held over the micro-steps"), std::string::npos) << per_step.text;
+}

@@ -246,7 +246,9 @@ TEST_F(DistTrain, ShardedMeshesMatchOneProcess) {
       {4, 2, 2, " --models.student.enable_gradient_checkpointing_type full", "replicate 2 x shard 2, SP 2, checkpointing"},
       {4, 1, 4,
        " --training.distributed.fsdp_modules_per_group 2 --training.distributed.reshard_after_forward false",
-       "shard 4, 2 blocks per unit, no reshard"}};
+       "shard 4, 2 blocks per unit, no reshard"},
+      {2, 1, 2, " --training.distributed.accumulate_unreduced_gradients true",
+       "shard 2, full gradients accumulated and reduced once per step"}};
   for (size_t i = 0; i < meshes.size(); ++i) {
     const auto& m = meshes[i];
     const auto out = root / ("sharded" + std::to_string(i));
@@ -259,6 +261,17 @@ TEST_F(DistTrain, ShardedMeshesMatchOneProcess) {
     EXPECT_EQ(mesh.at("hsdp_shard_dim").get<int>(), m.shard) << m.name;
     EXPECT_EQ(mesh.at("hsdp_replicate_dim").get<int>(), m.world / m.shard) << m.name;
     expect_sharded_layout(out, "checkpoint-3", m.shard, m.name);
+  }
+  // The recipe accumulates 2 micro-steps: by default each one reduce-scatters every unit's
+  // gradients; with accumulate_unreduced_gradients only the last one does (the same units).
+  const auto every = read_metrics((root / "sharded0" / "metrics.jsonl").string());
+  const auto once = read_metrics((root / "sharded3" / "metrics.jsonl").string());
+  ASSERT_EQ(every.size(), once.size());
+  for (size_t i = 0; i < once.size(); ++i) {
+    const double n_every = every[i].at("reduce_scatters/student").get<double>();
+    const double n_once = once[i].at("reduce_scatters/student").get<double>();
+    EXPECT_GE(n_once, 3) << "step " << i + 1 << ": the root unit and the two blocks";
+    EXPECT_EQ(n_every, 2 * n_once) << "step " << i + 1;
   }
   // The sharded checkpoint is a complete, verifiable one (every file hashed in its metadata).
   auto verify = test_dist::run_vqad("lineage " + (root / "sharded0" / "checkpoint-3").string() + " --verify",

@@ -160,6 +160,9 @@ struct DistributedConfig {
   bool reshard_after_forward = true;
   int64_t fsdp_modules_per_group = 1;
   bool shard_frozen_roles = true;  // false: frozen roles (teacher) keep full weights on every rank
+  // true: with sharding and gradient accumulation, each rank keeps its full unreduced
+  // gradients across the micro-steps and reduces once per optimizer step
+  bool accumulate_unreduced_gradients = false;
   std::string reduce_dtype = "fp32";  // fp32 | bf16
   bool fsdp_symmetric_memory = false;  // accepted for FastVideo recipes; a GPU-memory knob
   int64_t dp_size() const { return num_gpus / sp_size; }

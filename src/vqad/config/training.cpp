@@ -33,6 +33,12 @@ const SectionSchema& distributed_schema() {
           key("shard_frozen_roles", K::kBool, true,
               "with hsdp_shard_dim > 1, also shard the frozen roles (teacher); false keeps their full weights on "
               "every rank (no gathers in their forwards, more memory)"),
+          key("accumulate_unreduced_gradients", K::kBool, false,
+              "with hsdp_shard_dim > 1 and loop.gradient_accumulation_steps > 1: every rank keeps the full fp32 "
+              "gradients of its trainable roles across the micro-steps and reduce-scatters them once per optimizer "
+              "step (no communication per micro-step; costs the full gradients on every rank). false: each "
+              "micro-step reduce-scatters its gradients into the shards. Replicated data parallelism always "
+              "reduces once per step"),
           planned(choice_key("reduce_dtype", {"fp32", "bf16"}, "fp32", "gradient reduction dtype", true),
                   kShardingKnob),
           planned(key("fsdp_symmetric_memory", K::kBool, false, "symmetric-memory collectives (a GPU-memory knob)"),
@@ -271,6 +277,7 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
     x.reshard_after_forward = d.boolean("reshard_after_forward");
     x.fsdp_modules_per_group = d.i64("fsdp_modules_per_group");
     x.shard_frozen_roles = d.boolean("shard_frozen_roles");
+    x.accumulate_unreduced_gradients = d.boolean("accumulate_unreduced_gradients");
     x.reduce_dtype = d.choice("reduce_dtype");
     x.fsdp_symmetric_memory = d.boolean("fsdp_symmetric_memory");
     d.finish();

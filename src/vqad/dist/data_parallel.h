@@ -59,6 +59,9 @@ class DataParallel {
   bool sharded() const { return mesh_.hsdp_shard_dim > 1; }
   ProcessGroup* shard_group() { return shard_ ? shard_.get() : nullptr; }
   ProcessGroup* replicate_group() { return replicate_.get(); }
+  // This rank is in the first shard group (global ranks 0 .. S-1, the one holding rank 0): the
+  // ranks that write a sharded checkpoint and sample validation together.
+  bool in_first_shard_group() const { return sharded() && rank() < mesh_.hsdp_shard_dim; }
 
   // Every rank must present the same value (e.g. a sha256); the error names the first rank
   // that differs from rank 0 and both values.

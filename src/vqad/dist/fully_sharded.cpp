@@ -70,6 +70,11 @@ struct FullyShardedModel::Unit {
     torch::Tensor shard;  // this rank's [chunk] fp32 elements of the flattened, padded parameter
     int64_t numel = 0, chunk = 0, offset = 0;  // offset: in the unit's row of sum(chunk) elements
     bool trainable = false;
+    // The parameter from its padded elements (S x chunk in rank order, any layout that
+    // flattens to them): the first numel of them, shaped like the parameter.
+    torch::Tensor unpad(const torch::Tensor& padded) const {
+      return padded.reshape({-1}).narrow(0, 0, numel).view(param.sizes());
+    }
   };
   std::string name;
   std::vector<Entry> entries;
@@ -153,8 +158,9 @@ void FullyShardedModel::fill_unit(Unit& u, const torch::Tensor& gathered) {
     // Written through an alias of the storage with its own version counter: the parameter's
     // version stays what autograd saved in forward (a gather for the backward restores the
     // same values).
-    auto dst = torch::from_blob(e.param.storage().mutable_data(), {e.numel}, e.param.options().requires_grad(false));
-    dst.copy_(all.narrow(1, e.offset, e.chunk).reshape({-1}).narrow(0, 0, e.numel));
+    auto dst = torch::from_blob(e.param.storage().mutable_data(), e.param.sizes(),
+                                e.param.options().requires_grad(false));
+    dst.copy_(e.unpad(all.narrow(1, e.offset, e.chunk)));
   }
   u.gathered = true;
 }
@@ -198,6 +204,7 @@ void FullyShardedModel::release_unit(Unit& u) {
 }
 
 void FullyShardedModel::reduce_unit_grads(Unit& u) {
+  if (!sync_) return;  // the full gradients accumulate on the parameters until a synced backward
   torch::NoGradGuard ng;
   std::vector<size_t> with;
   for (size_t i = 0; i < u.entries.size(); ++i)
@@ -219,6 +226,7 @@ void FullyShardedModel::reduce_unit_grads(Unit& u) {
   // Issued now and completed when the next unit's gradients are ready (or at
   // finish_backward): the backward of the unit before this one overlaps it.
   reduce_.work = options_.shard->reduce_scatter_async(buf.view({-1}), "grads " + what_ + " " + u.name);
+  ++reduce_scatters_;
   reduce_.unit = u.ref->unit;
   reduce_.entries = std::move(with);
 }
@@ -291,6 +299,8 @@ void FullyShardedModel::finish_backward() {
 }
 
 void FullyShardedModel::finish_step() {
+  VQAD_CHECK(sync_, "sharded data parallel (", what_, "): finish_step after a backward without gradient sync "
+             "(the last micro-step of a step must reduce)");
   complete_reduce();
   torch::NoGradGuard ng;
   std::vector<torch::Tensor> grads;
@@ -468,10 +478,7 @@ void FullyShardedModel::visit_written_state(const torch::optim::AdamW* shard_sta
         p.weight = e.param.detach();
         for (size_t j = 0; j < with.size(); ++j) {
           if (with[j].e != &e) continue;
-          auto whole = [&](int64_t k) {
-            return moments.select(1, k).narrow(1, at[j], e.chunk).reshape({-1}).narrow(0, 0, e.numel)
-                .view(e.param.sizes()).clone();
-          };
+          auto whole = [&](int64_t k) { return e.unpad(moments.select(1, k).narrow(1, at[j], e.chunk)).clone(); };
           p.exp_avg = whole(0);
           p.exp_avg_sq = whole(1);
           if (with[j].st->max_exp_avg_sq().defined()) p.max_exp_avg_sq = whole(2);
@@ -492,7 +499,7 @@ std::vector<std::pair<std::string, torch::Tensor>> FullyShardedModel::gather_gra
       if (!e.trainable) continue;
       auto piece = e.shard.grad().defined() ? e.shard.grad().detach() : torch::zeros_like(e.shard.detach());
       auto all = options_.shard->all_gather(piece.contiguous(), "gather grad " + what_ + " " + e.name);
-      out.emplace_back(e.name, all.narrow(0, 0, e.numel).view(e.param.sizes()).clone());
+      out.emplace_back(e.name, e.unpad(all).clone());
     }
   return out;
 }

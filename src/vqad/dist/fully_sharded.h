@@ -27,7 +27,10 @@
 // one all-reduce SUM of the shard gradients over the replicate group and a division by the
 // data-parallel degree, so the result equals DataParallel::average_gradients on replicated
 // weights. Gradient accumulation reduce-scatters once per micro-step over the shard group and
-// all-reduces over the replicate group once per step.
+// all-reduces over the replicate group once per step; with set_gradient_sync(false) for the
+// micro-steps before the last, a unit's full gradients instead stay on the parameters and
+// accumulate there (no communication), and the last micro-step reduce-scatters their sum
+// (training.distributed.accumulate_unreduced_gradients).
 //
 // Overlap: when a unit is gathered for its forward, the next unit's all-gather is issued at
 // once and completed when that unit enters (prefetch); likewise in backward for the unit
@@ -86,6 +89,11 @@ class FullyShardedModel {
   torch::Tensor leave_block(size_t unit, bool last, torch::Tensor out);
 
   // --- the trainer ---
+  // false: the backwards that follow keep the units' full gradients (accumulating) instead of
+  // reduce-scattering them; true (the default): the next backward reduces everything held.
+  void set_gradient_sync(bool sync) { sync_ = sync; }
+  // Gradient reduce-scatters issued so far (one per unit that had gradients to reduce).
+  int64_t reduce_scatters_issued() const { return reduce_scatters_; }
   void finish_backward();
   void finish_step();
   // The trainable parameters' shards (requires_grad), in parameter order: the optimizer's
@@ -154,6 +162,8 @@ class FullyShardedModel {
     std::vector<size_t> entries;  // the unit's entries whose shard gradients receive the result
   };
   PendingReduce reduce_;
+  bool sync_ = true;
+  int64_t reduce_scatters_ = 0;
 };
 
 }  // namespace vqad::dist

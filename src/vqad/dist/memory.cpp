@@ -37,6 +37,7 @@ MemoryEstimate estimate_memory(const std::vector<RoleFootprint>& roles, const Me
   VQAD_CHECK(m.shard >= 1 && m.sp >= 1 && m.replicate >= 1 && m.batch >= 1, "memory estimate: invalid mesh");
   MemoryEstimate e;
   double gathered = 0;  // bytes, the largest role's
+  double unreduced = 0;  // bytes, every sharded trainable role's full gradients
   std::string parts;
   for (const auto& r : roles) {
     const double n = static_cast<double>(wan_parameter_count(r.model));
@@ -51,6 +52,7 @@ MemoryEstimate estimate_memory(const std::vector<RoleFootprint>& roles, const Me
       // The unit computing and the next one being prefetched.
       const double params = m.reshard_after_forward ? root + 2.0 * unit : n;
       gathered = std::max(gathered, 4.0 * params + (r.trainable ? 8.0 * unit : 0.0));
+      if (r.trainable && m.unreduced_accumulation) unreduced += 4.0 * n;
     }
     if (!r.trainable) continue;
     const double tokens = static_cast<double>(m.batch) * static_cast<double>(m.tokens_per_sample) /
@@ -61,13 +63,15 @@ MemoryEstimate estimate_memory(const std::vector<RoleFootprint>& roles, const Me
     e.activations_gib += (m.activation_checkpointing ? saved_inputs + working
                                                      : working * static_cast<double>(r.model.num_layers)) / kGiB;
   }
-  e.gathered_gib = gathered / kGiB;
+  e.gathered_gib = (gathered + unreduced) / kGiB;
   e.text = "states (fp32 masters + grads + AdamW moments of trainable roles, fp32 weights of frozen ones, / shard " +
            std::to_string(m.shard) + (m.shard > 1 && !m.shard_frozen ? " for the trainable ones" : "") + "): " + gib(e.states_gib) + " (" + parts + ")\n" +
            "gathered buffers (fp32 params of the root and " +
            (m.reshard_after_forward ? "two units of " + std::to_string(m.blocks_per_unit) + " block(s)"
                                     : std::string("every block")) +
-           ", fp32 grads + reduce buffer of one unit): " + gib(e.gathered_gib) + "\n" +
+           ", fp32 grads + reduce buffer of one unit" +
+           (unreduced > 0 ? ", full fp32 grads held over the micro-steps " + gib(unreduced / kGiB) : std::string()) +
+           "): " + gib(e.gathered_gib) + "\n" +
            "activations (batch " + std::to_string(m.batch) + " x " + std::to_string(m.tokens_per_sample) +
            " tokens / sp " + std::to_string(m.sp) + ", checkpointing " +
            (m.activation_checkpointing ? "per block" : "off") + "): " + gib(e.activations_gib) + "\n" +

@@ -9,7 +9,8 @@
 //    parameters of the root unit (kept from embedding to head) and of two units of
 //    blocks_per_unit blocks (the one computing and the prefetched next one), one unit's full
 //    FP32 gradients and the reduce-scatter buffer of the same size; without reshard_after_forward every block's FP32 parameters stay
-//    gathered from forward to backward;
+//    gathered from forward to backward; with unreduced accumulation, every trainable role's
+//    full FP32 gradients (held across the micro-steps);
 //  - activations of the trainable roles: with per-block activation checkpointing, the FP32
 //    input of every block plus the working set of one block's recompute and backward; without
 //    it, that working set for every block. The working set is modelled as
@@ -40,6 +41,9 @@ struct MemoryMesh {
   int64_t blocks_per_unit = 1;        // training.distributed.fsdp_modules_per_group
   bool reshard_after_forward = true;  // training.distributed.reshard_after_forward
   bool shard_frozen = true;           // training.distributed.shard_frozen_roles
+  // training.distributed.accumulate_unreduced_gradients with gradient accumulation: the full
+  // fp32 gradients of a sharded trainable role stay on every rank across the micro-steps
+  bool unreduced_accumulation = false;
 };
 
 struct MemoryEstimate {

@@ -130,6 +130,22 @@ struct Shared {
   }
 };
 
+namespace {
+// "rank k failed: ..." when rank k reported its own error, "rank k stopped responding ..."
+// when its heartbeat is stale; "" otherwise (also when it has sent none yet).
+std::string rank_gone(c10d::Store& store, int k) {
+  const std::string fk = "vqad/failed/" + std::to_string(k);
+  if (store.check({fk})) return detail::concat("rank ", k, " failed: ", to_string(store.get(fk)));
+  const std::string hk = "vqad/hb/" + std::to_string(k);
+  if (!store.check({hk})) return "";
+  const Beat b = Beat::parse(to_string(store.get(hk)));
+  const int64_t age = unix_ms() - b.t;
+  if (age <= kStaleMs) return "";
+  return detail::concat("rank ", k, " stopped responding (no heartbeat for ", seconds_text(age), "; it was ",
+                        b.text(), ")");
+}
+}  // namespace
+
 struct ProcessGroup::Impl {
   std::shared_ptr<Shared> shared;
   std::string name;
@@ -151,9 +167,8 @@ struct ProcessGroup::Impl {
         std::string behind;
         for (int k : ranks) {
           if (k == S.env.rank) continue;
-          const std::string fk = "vqad/failed/" + std::to_string(k);
-          if (S.store->check({fk})) {
-            culprit = detail::concat("rank ", k, " failed: ", to_string(S.store->get(fk)));
+          if (std::string gone = rank_gone(*S.store, k); !gone.empty()) {
+            culprit = std::move(gone);
             break;
           }
           const std::string hk = "vqad/hb/" + std::to_string(k);
@@ -161,13 +176,7 @@ struct ProcessGroup::Impl {
             culprit = detail::concat("rank ", k, " never sent a heartbeat");
             continue;
           }
-          Beat b = Beat::parse(to_string(S.store->get(hk)));
-          const int64_t age = unix_ms() - b.t;
-          if (age > kStaleMs) {
-            culprit = detail::concat("rank ", k, " stopped responding (no heartbeat for ", seconds_text(age),
-                                     "; it was ", b.text(), ")");
-            break;
-          }
+          const Beat b = Beat::parse(to_string(S.store->get(hk)));
           if (behind.empty() && !(b.group == name && b.seq == my_seq && b.state == "in"))
             behind = detail::concat("rank ", k, " has not reached it (it is ", b.text(), ")");
         }
@@ -370,17 +379,7 @@ void ProcessGroup::broadcast(torch::Tensor& t, int root, const std::string& what
 }
 
 torch::Tensor ProcessGroup::all_gather(const torch::Tensor& local, const std::string& what) {
-  impl_->check_tensor(local, what);
-  if (size() == 1) return local.clone();
-  auto in = local.contiguous();
-  auto sizes = in.sizes().vec();
-  VQAD_CHECK(!sizes.empty(), "distributed: ", what, ": all_gather needs a tensor with a leading dimension");
-  sizes[0] *= size();
-  auto out = torch::empty(sizes, in.options());
-  c10d::AllgatherOptions o;
-  o.timeout = timeout();
-  impl_->run("all_gather", what, [&] { return impl_->backend->_allgather_base(out, in, o); });
-  return out;
+  return all_gather_async(local, what).wait();
 }
 
 PendingCollective ProcessGroup::all_gather_async(const torch::Tensor& local, const std::string& what) {
@@ -426,23 +425,15 @@ torch::Tensor PendingCollective::wait() {
 }
 
 torch::Tensor ProcessGroup::reduce_scatter(const torch::Tensor& full, ReduceOp op, const std::string& what) {
-  impl_->check_tensor(full, what);
-  VQAD_CHECK(full.dim() >= 1 && full.size(0) % size() == 0, "distributed: ", what, ": reduce_scatter needs dim 0 (",
-             full.dim() ? full.size(0) : 0, ") divisible by the group size ", size());
-  if (size() == 1) return full.clone();
-  auto in = full.contiguous();
-  auto sizes = in.sizes().vec();
-  sizes[0] /= size();
-  auto out = torch::empty(sizes, in.options());
-  c10d::ReduceScatterOptions o;
-  o.reduceOp = op == ReduceOp::kMax ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
-  o.timeout = timeout();
-  impl_->run("reduce_scatter", what, [&] { return impl_->backend->_reduce_scatter_base(out, in, o); });
-  if (op == ReduceOp::kAvg) out.div_(static_cast<double>(size()));
+  auto out = reduce_scatter_async(full, what, op == ReduceOp::kMax ? ReduceOp::kMax : ReduceOp::kSum).wait();
+  if (op == ReduceOp::kAvg && size() > 1) out.div_(static_cast<double>(size()));
   return out;
 }
 
-PendingCollective ProcessGroup::reduce_scatter_async(const torch::Tensor& full, const std::string& what) {
+PendingCollective ProcessGroup::reduce_scatter_async(const torch::Tensor& full, const std::string& what,
+                                                     ReduceOp op) {
+  VQAD_CHECK(op != ReduceOp::kAvg, "distributed: ", what, ": reduce_scatter_async sums or takes the max (kAvg: "
+             "reduce_scatter divides after the wait)");
   impl_->check_tensor(full, what);
   VQAD_CHECK(full.dim() >= 1 && full.size(0) % size() == 0, "distributed: ", what, ": reduce_scatter needs dim 0 (",
              full.dim() ? full.size(0) : 0, ") divisible by the group size ", size());
@@ -457,7 +448,7 @@ PendingCollective ProcessGroup::reduce_scatter_async(const torch::Tensor& full, 
   sizes[0] /= size();
   p.output_ = torch::empty(sizes, p.input_.options());
   c10d::ReduceScatterOptions o;
-  o.reduceOp = c10d::ReduceOp::SUM;
+  o.reduceOp = op == ReduceOp::kMax ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
   o.timeout = timeout();
   impl_->issue(p.work_, p.seq_, p.label_, "reduce_scatter", what,
                [&] { return impl_->backend->_reduce_scatter_base(p.output_, p.input_, o); });
@@ -566,21 +557,10 @@ std::string ProcessGroup::await(const std::string& key, const std::string& what,
         // A rank that failed or stopped will never post: say so at once (once a second).
         if (Clock::now() - last_scan >= std::chrono::seconds(1)) {
           last_scan = Clock::now();
-          for (int r = 0; r < S.env.world_size; ++r) {
-            if (r == S.env.rank) continue;
-            const std::string fk = "vqad/failed/" + std::to_string(r);
-            if (store.check({fk}))
-              fail("distributed: rank ", S.env.rank, " waiting for ", what, ": rank ", r,
-                   " failed: ", to_string(store.get(fk)));
-            const std::string hk = "vqad/hb/" + std::to_string(r);
-            if (store.check({hk})) {
-              Beat b = Beat::parse(to_string(store.get(hk)));
-              const int64_t age = unix_ms() - b.t;
-              if (age > kStaleMs)
-                fail("distributed: rank ", S.env.rank, " waiting for ", what, ": rank ", r,
-                     " stopped responding (no heartbeat for ", seconds_text(age), "; it was ", b.text(), ")");
-            }
-          }
+          for (int r = 0; r < S.env.world_size; ++r)
+            if (r != S.env.rank)
+              if (const std::string gone = rank_gone(store, r); !gone.empty())
+                fail("distributed: rank ", S.env.rank, " waiting for ", what, ": ", gone);
         }
       }
       if (Clock::now() >= deadline)

@@ -85,8 +85,9 @@ class ProcessGroup {
   PendingCollective all_gather_async(const torch::Tensor& local, const std::string& what);
   // `full` split into size() equal chunks along dim 0; rank r receives the reduction of chunk r.
   torch::Tensor reduce_scatter(const torch::Tensor& full, ReduceOp op, const std::string& what);
-  // The same with ReduceOp::kSum, issued now and completed by the returned handle's wait().
-  PendingCollective reduce_scatter_async(const torch::Tensor& full, const std::string& what);
+  // The same (kSum or kMax), issued now and completed by the returned handle's wait().
+  PendingCollective reduce_scatter_async(const torch::Tensor& full, const std::string& what,
+                                         ReduceOp op = ReduceOp::kSum);
   // `in` split into size() equal chunks along dim 0; chunk j goes to rank j, the output holds
   // the chunks received from ranks 0..size-1 in order.
   torch::Tensor all_to_all(const torch::Tensor& in, const std::string& what);

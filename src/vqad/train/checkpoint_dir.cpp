@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -146,18 +147,40 @@ std::optional<CheckpointEntry> resolve_resume(const std::string& spec, const std
   return all.back();
 }
 
-int remove_stale_checkpoint_temps(const std::string& output_dir) {
+std::string checkpoint_parts_dir(const std::string& output_dir, long step, int part) {
+  return (fs::path(output_dir) / (kPartsPrefix + std::to_string(step) + "-r" + std::to_string(part))).string();
+}
+
+int remove_checkpoint_parts(const std::string& output_dir, long max_step) {
   int n = 0;
   std::error_code ec;
   if (!fs::is_directory(output_dir, ec)) return 0;
   for (const auto& e : fs::directory_iterator(output_dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (e.is_directory() && name.rfind(kPartsPrefix, 0) == 0) {
-      log::info("removing ", e.path().string(), " (part of a sharded checkpoint that was not published)");
-      fs::remove_all(e.path());
-      ++n;
+    const auto r = name.rfind("-r");
+    if (!e.is_directory() || name.rfind(kPartsPrefix, 0) != 0 || r == std::string::npos ||
+        r <= std::strlen(kPartsPrefix))
       continue;
+    long step = 0;
+    try {
+      step = std::stol(name.substr(std::strlen(kPartsPrefix), r - std::strlen(kPartsPrefix)));
+    } catch (const std::exception&) {
+      continue;  // not a name vqad writes
     }
+    if (step > max_step) continue;
+    log::info("removing ", e.path().string(), " (part of a sharded checkpoint that was not published)");
+    fs::remove_all(e.path(), ec);
+    ++n;
+  }
+  return n;
+}
+
+int remove_stale_checkpoint_temps(const std::string& output_dir) {
+  int n = remove_checkpoint_parts(output_dir, std::numeric_limits<long>::max());
+  std::error_code ec;
+  if (!fs::is_directory(output_dir, ec)) return 0;
+  for (const auto& e : fs::directory_iterator(output_dir, ec)) {
+    const std::string name = e.path().filename().string();
     if (!e.is_directory() || name.rfind(kTmpPrefix, 0) != 0) continue;
     // A complete checkpoint moved aside to be replaced by a newer copy of the same step,
     // when the process died before the copy took its place: put it back.

@@ -37,6 +37,13 @@ std::optional<CheckpointEntry> resolve_resume(const std::string& spec, const std
 // removes stray temporary directories.
 void apply_retention(const std::string& output_dir, int limit);
 
+// A sharded save's parts (checkpoint_writer.h): where rank `part` of the writing shard group
+// writes its files for checkpoint-<step> before rank 0 adopts them.
+std::string checkpoint_parts_dir(const std::string& output_dir, long step, int part);
+// Removes the parts directories of steps <= max_step (those of a save that was not published,
+// or of every step at the start of a run); returns how many.
+int remove_checkpoint_parts(const std::string& output_dir, long max_step);
+
 // fsync helpers (also used by exporters).
 void fsync_file(const std::string& path);
 void fsync_dir(const std::string& path);

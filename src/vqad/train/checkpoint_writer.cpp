@@ -305,35 +305,27 @@ SaveTimings CheckpointWriter::last_timings() const {
 }
 
 namespace {
+// Writes `f` as <dir>/<f.rel> (fsynced); returns its sha256, *bytes its size.
+std::string write_snapshot_file(const std::string& dir, const SnapshotFile& f, size_t* bytes) {
+  std::string header;
+  const auto parts = f.safetensors ? safetensors_parts(f.tensors, f.st_metadata, &header)
+                                   : std::vector<std::string_view>{f.bytes};
+  const std::string sha = write_file_hashed((fs::path(dir) / f.rel).string(), parts);
+  *bytes = 0;
+  for (auto part : parts) *bytes += part.size();
+  return sha;
+}
+
 std::string part_key(long seq, long step, int part) {
   return "checkpoint/" + std::to_string(seq) + "/" + std::to_string(step) + "/part" + std::to_string(part);
 }
-std::string parts_dir_prefix(long step) { return ".parts-checkpoint-" + std::to_string(step) + "-r"; }
-
-// The stray parts directories of steps <= `step` (a failed or interrupted sharded save).
-void remove_stale_parts(const std::string& output_dir, long step) {
-  std::error_code ec;
-  if (!fs::is_directory(output_dir, ec)) return;
-  for (const auto& e : fs::directory_iterator(output_dir, ec)) {
-    const std::string name = e.path().filename().string();
-    static const std::string prefix = ".parts-checkpoint-";
-    if (name.rfind(prefix, 0) != 0) continue;
-    const auto r = name.rfind("-r");
-    if (r == std::string::npos || r <= prefix.size()) continue;
-    try {
-      if (std::stol(name.substr(prefix.size(), r - prefix.size())) <= step) fs::remove_all(e.path(), ec);
-    } catch (const std::exception&) {
-    }
-  }
-}
-
 std::string first_line_of(const std::string& s) { return s.substr(0, s.find('\n')); }
 }  // namespace
 
 // A rank other than the publisher: its files into its own directory, then the report.
 void CheckpointWriter::write_peer_part(long step, const std::vector<SnapshotFile>& files) {
   const std::string key = part_key(in_flight_seq_, step, parts_.part);
-  const fs::path dir = fs::path(output_dir_) / (parts_dir_prefix(step) + std::to_string(parts_.part));
+  const fs::path dir = checkpoint_parts_dir(output_dir_, step, parts_.part);
   nlohmann::json report;
   size_t bytes = 0;
   try {
@@ -343,15 +335,12 @@ void CheckpointWriter::write_peer_part(long step, const std::vector<SnapshotFile
     nlohmann::json list = nlohmann::json::array();
     for (const auto& f : files) {
       create_dir_or_fail((dir / f.rel).parent_path().string(), "checkpoint part");
-      std::string header;
-      const auto parts = f.safetensors ? safetensors_parts(f.tensors, f.st_metadata, &header)
-                                       : std::vector<std::string_view>{f.bytes};
-      nlohmann::json entry{{"rel", f.rel}, {"sha256", write_file_hashed((dir / f.rel).string(), parts)},
-                           {"index", f.index}};
+      size_t n = 0;
+      nlohmann::json entry{{"rel", f.rel}, {"sha256", write_snapshot_file(dir.string(), f, &n)}, {"index", f.index}};
       nlohmann::json tensors = nlohmann::json::object();
       for (const auto& [name, t] : f.tensors) tensors[name] = t.nbytes();
       entry["tensors"] = tensors;
-      for (auto part : parts) bytes += part.size();
+      bytes += n;
       list.push_back(entry);
     }
     fsync_tree(dir.string());
@@ -454,12 +443,8 @@ void CheckpointWriter::run_write(long step, std::vector<SnapshotFile> files, nlo
         }
         try {
           const auto& f = files[i];
-          std::string header;
-          const auto parts = f.safetensors ? safetensors_parts(f.tensors, f.st_metadata, &header)
-                                           : std::vector<std::string_view>{f.bytes};
-          const std::string sha = write_file_hashed((fs::path(dir) / f.rel).string(), parts);
           size_t n = 0;
-          for (auto part : parts) n += part.size();
+          const std::string sha = write_snapshot_file(dir, f, &n);
           std::lock_guard<std::mutex> g(km);
           known[f.rel] = sha;
           bytes += n;
@@ -481,7 +466,7 @@ void CheckpointWriter::run_write(long step, std::vector<SnapshotFile> files, nlo
     write_metadata(dir, std::move(metadata), known);
   });
   apply_retention(output_dir_, retention_);
-  if (parts_.parts > 1) remove_stale_parts(output_dir_, step);
+  if (parts_.parts > 1) remove_checkpoint_parts(output_dir_, step);
   std::lock_guard<std::mutex> g(mu_);
   timings_.copy_wait_s = copy_wait;
   timings_.files_s = files_s;

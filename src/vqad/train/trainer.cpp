@@ -168,8 +168,7 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
   const auto& vc = run_.callbacks.validation;
   // Replicated: rank 0 samples. Sharded: every rank of the first shard group samples with it
   // (the sharded student's forward gathers its units over that group), rank 0 writes.
-  const bool samples = !impl_->dp || impl_->dp->is_main() ||
-                       (impl_->dp->sharded() && impl_->dp->rank() < tc.distributed.hsdp_shard_dim);
+  const bool samples = !impl_->dp || impl_->dp->is_main() || impl_->dp->in_first_shard_group();
   if (vc.enabled && (vc.every_steps > 0 || vc.run_at_start) && samples)
     impl_->validation =
         std::make_unique<ValidationRunner>(run_, student, options_.device, !impl_->dp || impl_->dp->is_main());
@@ -224,6 +223,7 @@ void Trainer::print_dry_run() const {
   mm.blocks_per_unit = d.fsdp_modules_per_group;
   mm.reshard_after_forward = d.reshard_after_forward;
   mm.shard_frozen = d.shard_frozen_roles;
+  mm.unreduced_accumulation = d.accumulate_unreduced_gradients && run_.training.loop.gradient_accumulation_steps > 1;
   const auto est = dist::estimate_memory(fp, mm);
   std::cout << "# per-GPU memory estimate, mesh " << d.num_gpus << " GPUs = replicate " << d.hsdp_replicate_dim
             << " x shard " << d.hsdp_shard_dim << ", sp " << d.sp_size << ":\n";
@@ -295,13 +295,18 @@ TrainSummary Trainer::run() {
       if (auto it = I.optimizers.find(name); it != I.optimizers.end()) {
         auto& o = it->second;
         auto shards = s->trainable_shards();
-        std::set<const c10::TensorImpl*> updated;
-        for (const auto& p : o.params) updated.insert(p.unsafeGetTensorImpl());
-        size_t trainable = 0;
-        for (const auto& p : role->model->parameters()) trainable += p.requires_grad() ? 1 : 0;
-        VQAD_CHECK(trainable == o.params.size() && updated.size() == o.params.size(), "training.distributed."
-                   "hsdp_shard_dim = ", d.hsdp_shard_dim, ": models.", name, " has ", trainable, " trainable "
-                   "parameters but its optimizer updates ", o.params.size(), " (sharding needs them to be the same)");
+        std::set<const c10::TensorImpl*> trainable, updated;
+        for (const auto& p : role->model->parameters())
+          if (p.requires_grad()) trainable.insert(p.unsafeGetTensorImpl());
+        size_t outside = 0;
+        for (const auto& p : o.params) {
+          updated.insert(p.unsafeGetTensorImpl());
+          outside += trainable.count(p.unsafeGetTensorImpl()) ? 0 : 1;
+        }
+        VQAD_CHECK(updated == trainable && updated.size() == o.params.size(), "training.distributed."
+                   "hsdp_shard_dim = ", d.hsdp_shard_dim, ": models.", name, " has ", trainable.size(), " trainable "
+                   "parameters but its optimizer updates ", o.params.size(), " (", outside, " of them not trainable "
+                   "parameters of the model; sharding needs the two sets to be the same)");
         const auto opts = static_cast<const torch::optim::AdamWOptions&>(o.adamw->defaults());
         auto adamw = std::make_unique<torch::optim::AdamW>(shards, opts);
         s->shard_adamw_state(*o.adamw, *adamw);
@@ -318,18 +323,22 @@ TrainSummary Trainer::run() {
                                                                         " more" : "") + ")",
                 ", replicated ", d.hsdp_replicate_dim,
                 "x; reshard after forward ", d.reshard_after_forward ? "on" : "off", ", ",
-                d.fsdp_modules_per_group, " block(s) per unit");
+                d.fsdp_modules_per_group, " block(s) per unit; gradients reduce-scattered ",
+                d.accumulate_unreduced_gradients && tc.loop.gradient_accumulation_steps > 1
+                    ? "once per step (full gradients accumulated over the micro-steps)"
+                    : "every micro-step");
   }
   const bool sharded = !I.sharded.empty();
   // A sharded run's checkpoints are written by the ranks of the first shard group (global
   // ranks 0 .. S-1) together, each its units (CheckpointWriter::save_sharded); the other
   // replicate groups hold the same shards and write nothing.
   std::map<std::string, dist::FullyShardedModel*> sharded_trainable;
+  std::map<std::string, int64_t> reduce_scatters_before;  // for the per-step count in the metrics
   bool writes_part = false;
   if (sharded) {
     for (auto& [name, o] : I.optimizers) sharded_trainable[name] = I.sharded.at(name).get();
     dist::ProcessGroup* sg = I.dp->shard_group();
-    writes_part = sg->global_ranks().front() == 0;
+    writes_part = I.dp->in_first_shard_group();
     if (writes_part) writer.set_parts({sg, sg->rank(), sg->size(), sg->timeout()});
   }
   // Validation: rank 0 samples the student; a sharded student samples on every rank of the
@@ -408,6 +417,9 @@ TrainSummary Trainer::run() {
              rows[0], "; nothing of step ", step, " was saved; ", last_good_text());
       // Ulysses SP (sp_size > 1): the method's whole-model forwards split the sequence.
       dist::SequenceParallelScope sp_scope(I.dp ? I.dp->sp_group() : nullptr);
+      // Sharded with accumulate_unreduced_gradients: only the last micro-step communicates.
+      for (auto& [name, s] : I.sharded)
+        s->set_gradient_sync(!tc.distributed.accumulate_unreduced_gradients || micro + 1 == accum);
       auto r = I.method->micro_step(batch, I.gen, options_.device, step, 1.0 / static_cast<double>(accum));
       for (const auto& [k, v] : r.metrics) rec[k] += v / static_cast<double>(accum);
       for (const auto& [k, v] : r.role_loss) role_loss[k] += v / static_cast<double>(accum);
@@ -494,6 +506,13 @@ TrainSummary Trainer::run() {
     }
     if (ValidationRunner::due(vcfg, step) && I.validation)
       for (const auto& [k, v] : validate(step)) rec[k] = v;
+    // A sharded trainable role's gradient reduce-scatters of this step (per rank).
+    for (const auto& [name, s] : I.sharded)
+      if (I.optimizers.count(name)) {
+        const int64_t n = s->reduce_scatters_issued();
+        rec["reduce_scatters/" + name] = static_cast<double>(n - reduce_scatters_before[name]);
+        reduce_scatters_before[name] = n;
+      }
     if (metrics) metrics->log(step, rec);
     summary.losses.push_back(loss);
     summary.last_step = step;
