@@ -266,6 +266,13 @@ TEST(DistMemory, Wan14BStage1AtShard8FitsAn80GBGpu) {
   EXPECT_EQ(one.gathered_gib, 0.0);
 }
 
+// DMD2 at 1.3B: a trainable student and critic, a frozen teacher.
+static std::vector<dist::RoleFootprint> dmd2_roles_1_3b() {
+  return {{"student", model::WanConfig::wan_1_3b(), true},
+          {"teacher", model::WanConfig::wan_1_3b(), false},
+          {"critic", model::WanConfig::wan_1_3b(), true}};
+}
+
 TEST(DistMemory, FrozenRolesReplicatedOnRequest) {
   // DMD2 at 1.3B, shard 4: the frozen teacher's fp32 weights split over the shard group, or
   // whole on every rank with shard_frozen_roles false (the trainable roles stay sharded).
@@ -273,9 +280,7 @@ TEST(DistMemory, FrozenRolesReplicatedOnRequest) {
   m.shard = 4;
   m.batch = 1;
   m.tokens_per_sample = 21 * 30 * 52;
-  const std::vector<dist::RoleFootprint> roles{{"student", model::WanConfig::wan_1_3b(), true},
-                                               {"teacher", model::WanConfig::wan_1_3b(), false},
-                                               {"critic", model::WanConfig::wan_1_3b(), true}};
+  const auto roles = dmd2_roles_1_3b();
   const auto sharded = dist::estimate_memory(roles, m);
   m.shard_frozen = false;
   const auto replicated = dist::estimate_memory(roles, m);
@@ -293,9 +298,7 @@ TEST(DistMemory, UnreducedAccumulationHoldsEveryTrainableRolesFullGradients) {
   dist::MemoryMesh m;
   m.shard = 4;
   m.tokens_per_sample = 21 * 30 * 52;
-  const std::vector<dist::RoleFootprint> roles{{"student", model::WanConfig::wan_1_3b(), true},
-                                               {"teacher", model::WanConfig::wan_1_3b(), false},
-                                               {"critic", model::WanConfig::wan_1_3b(), true}};
+  const auto roles = dmd2_roles_1_3b();
   const auto per_step = dist::estimate_memory(roles, m);
   m.unreduced_accumulation = true;
   const auto unreduced = dist::estimate_memory(roles, m);
