@@ -26,6 +26,7 @@
 
 #include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
+#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/core/file_io.h"
 #include "vqad/core/sha256.h"
@@ -81,7 +82,7 @@ double plain_read_s(const std::string& path) {
 
 int run_bench_checkpoint(const BenchCheckpointArgs& a) {
   VQAD_CHECK(a.saves >= 1, "--saves must be >= 1");
-  const torch::Device device = train::parse_device(a.device);
+  const torch::Device device = io::parse_device(a.device);
   torch::manual_seed(1);
   auto role = std::make_shared<train::Role>();
   role->name = "student";

@@ -20,6 +20,7 @@
 
 #include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
+#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/core/metrics.h"
 #include "vqad/data/synthetic.h"
@@ -77,7 +78,7 @@ int run_bench(const Dmd2BenchOptions& o) {
   VQAD_CHECK(o.frames >= 1 && o.height >= 2 && o.width >= 2 && o.height % 2 == 0 && o.width % 2 == 0,
              "bench dmd2: latent ", o.frames, " x ", o.height, " x ", o.width,
              " must be positive with even height and width");
-  const torch::Device device = train::parse_device(o.device);
+  const torch::Device device = io::parse_device(o.device);
   const model::WanConfig wc = model::WanConfig::preset(o.preset);
   const fs::path work = fs::temp_directory_path() / ("vqad_bench_dmd2_" + std::to_string(::getpid()));
   fs::remove_all(work);

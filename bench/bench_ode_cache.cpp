@@ -21,6 +21,7 @@
 
 #include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
+#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/data/synthetic.h"
 #include "vqad/io/tensors.h"
@@ -86,11 +87,7 @@ int run_ode_bench(const OdeBenchOptions& o) {
   r.source_kind = "bench (synthetic prompts)";
 
   // Floor: teacher forwards timed in this process.
-  const torch::Device dev = [&] {
-    if (o.device == "auto")
-      return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-    return torch::Device(o.device);
-  }();
+  const torch::Device dev = io::parse_device(o.device);
   auto teacher = sample::load_ode_teacher(r.teacher, dev, uint64_t(o.seed));
   const auto& mc = teacher.model->config();
   const int64_t tokens = o.frames * (o.height / 2) * (o.width / 2);

@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "vqad/cli/commands.h"
+#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/dist/env.h"
@@ -37,7 +38,7 @@ void register_calibrate_commands(CLI::App& app) {
         fail("unknown flag '", tok, "' of 'vqad calibrate' (config overrides are --section.key value)");
     auto run = train::load_run_config(*config, sub->remaining());
     train::CalibrateOptions o;
-    o.device = train::parse_device(*device);
+    o.device = io::parse_device(*device);
     o.out = *out;
     o.batches = *batches;
     const auto env = dist::launch_env();

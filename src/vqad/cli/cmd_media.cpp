@@ -8,6 +8,7 @@
 #include <string>
 
 #include "vqad/cli/commands.h"
+#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/io/tensors.h"
 #include "vqad/media/render.h"
@@ -18,19 +19,6 @@ namespace fs = std::filesystem;
 
 namespace vqad::cli {
 
-namespace {
-
-torch::Device parse_device(const std::string& s) {
-  if (s == "cpu") return torch::kCPU;
-  if (s == "cuda") {
-    VQAD_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available to this vqad build");
-    return torch::Device(torch::kCUDA, 0);
-  }
-  if (s == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  fail("--device: expected cpu, cuda or auto, found '", s, "'");
-}
-
-}  // namespace
 
 void register_media_commands(CLI::App& app) {
   {
@@ -47,7 +35,7 @@ void register_media_commands(CLI::App& app) {
         ->required();
     sub->add_option("--out", a->out, "output directory")->required();
     sub->add_option("--key", a->key, "tensor name in the latents file (default: latents, or the only tensor)");
-    sub->add_option("--device", a->device, "cpu, cuda or auto (default)");
+    sub->add_option("--device", a->device, "cpu | cuda | cuda:N | auto (default)");
     sub->add_option("--dtype", a->dtype, "decoder precision: float32 (default) or bfloat16");
     sub->add_option("--fps", a->fps, "frames per second of the MP4s (default 16)");
     sub->add_flag("--raw", a->raw, "latents are raw VAE latents (default: the DiT's normalised latents)");
@@ -67,7 +55,7 @@ void register_media_commands(CLI::App& app) {
       VQAD_CHECK(a->dtype == "float32" || a->dtype == "bfloat16", "--dtype: expected float32 or bfloat16, found '",
                  a->dtype, "'");
       VQAD_CHECK(a->fps > 0, "--fps: expected a positive value, found ", a->fps);
-      const torch::Device device = parse_device(a->device);
+      const torch::Device device = io::parse_device(a->device);
       auto vae = media::WanVaeDecoder::load(a->vae, device,
                                             a->dtype == "float32" ? torch::kFloat32 : torch::kBFloat16);
       media::RenderOptions ro;

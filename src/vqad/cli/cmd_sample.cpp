@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "vqad/cli/commands.h"
+#include "vqad/io/device.h"
 #include "vqad/export/sample_run.h"
 #include "vqad/media/render.h"
 #include "vqad/media/video_writer.h"
@@ -50,7 +51,7 @@ void register_sample_commands(CLI::App& app) {
   sub->add_option("--vae-dtype", dec->dtype, "decoder precision: float32 (default) or bfloat16");
   sub->add_option("--fps", dec->fps, "frames per second of the decoded MP4s (default 16)");
   set_action(sub, [=] {
-    o->device = train::parse_device(*device);
+    o->device = io::parse_device(*device);
     o->preview = !*no_preview;
     // Everything about the decode is checked before sampling starts.
     VQAD_CHECK(dec->dtype == "float32" || dec->dtype == "bfloat16",

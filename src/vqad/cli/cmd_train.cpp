@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "vqad/cli/commands.h"
+#include "vqad/io/device.h"
 #include "vqad/cli/suggest.h"
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
@@ -43,7 +44,7 @@ void register_train_commands(CLI::App& app) {
     sub->add_option("--train-rows", o->train_rows, "synthetic training rows (default 64)");
     set_action(sub, [=] {
       train::check_demo_recipe(o->recipe);
-      o->device = train::parse_device(*device);
+      o->device = io::parse_device(*device);
       auto report = train::run_demo(*o);
       std::cout << train::demo_report_text(report);
       return report.lineage_verified ? 0 : 1;
@@ -92,7 +93,7 @@ void register_train_commands(CLI::App& app) {
       train::TrainerOptions o = *opts;
       o.async_checkpoints = !*sync_ckpt;
       o.deterministic = !*nondet;
-      o.device = train::parse_device(*device);
+      o.device = io::parse_device(*device);
       o.dry_run = *dry;
       o.progress = !*no_progress;
       // A rank of a launched job (vqad launch, torchrun, srun): join the world first.

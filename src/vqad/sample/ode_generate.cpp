@@ -9,6 +9,7 @@
 #include <set>
 
 #include "vqad/build_info.h"
+#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/core/progress.h"
@@ -109,31 +110,6 @@ std::string sha256_of_path(const std::string& path) {
   std::string all;
   for (const auto& f : files) all += fs::relative(f, path).string() + " " + sha256_file(f.string()) + "\n";
   return sha256_hex(all);
-}
-
-std::string wan_kind(const model::WanConfig& c) {
-  auto same = [&](const model::WanConfig& ref) {
-    return c.num_attention_heads == ref.num_attention_heads && c.attention_head_dim == ref.attention_head_dim &&
-           c.num_layers == ref.num_layers && c.ffn_dim == ref.ffn_dim && c.text_dim == ref.text_dim;
-  };
-  if (same(model::WanConfig::wan_1_3b())) return "wan-t2v-1.3b";
-  if (same(model::WanConfig::wan_14b())) return "wan-t2v-14b";
-  if (same(model::WanConfig::tiny())) return "wan-t2v-tiny";
-  return "wan-t2v-custom";
-}
-
-torch::Device parse_device(const std::string& s, const std::string& key) {
-  if (s == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  torch::Device d(torch::kCPU);
-  try {
-    d = torch::Device(s);
-  } catch (const std::exception&) {
-    fail(key, ": unknown device '", s, "' (valid: cpu, cuda, cuda:N, auto)");
-  }
-  VQAD_CHECK(d.is_cpu() || d.is_cuda(), key, ": '", s, "' is not supported (valid: cpu, cuda, cuda:N, auto)");
-  if (d.is_cuda())
-    VQAD_CHECK(torch::cuda::is_available(), key, " ", s, ": CUDA is not available in this build or on this machine");
-  return d;
 }
 
 }  // namespace
@@ -256,7 +232,7 @@ LoadedTeacher load_ode_teacher(const OdeTeacherSpec& spec, torch::Device device,
   t.model->to(device);
   for (auto& p : t.model->parameters()) p.set_requires_grad(false);
   t.model->train(false);
-  t.model_kind = wan_kind(t.model->config());
+  t.model_kind = t.model->config().kind();
   t.architecture = t.model->config().to_json();
   return t;
 }
@@ -394,7 +370,7 @@ OdeGenerateSummary generate_ode_cache(const OdeRecipe& r, const OdeGenerateOptio
     sum.complete = true;
     return sum;
   }
-  const torch::Device device = parse_device(r.device, "ode_cache.device");
+  const torch::Device device = io::parse_device(r.device, "ode_cache.device");
   LoadedTeacher teacher = load_ode_teacher(r.teacher, device, static_cast<uint64_t>(r.seed));
   const auto& mc = teacher.model->config();
   VQAD_CHECK(mc.in_channels == 16 && mc.out_channels == 16, "models.teacher: the ODE cache stores Wan VAE latents "

@@ -418,7 +418,7 @@ nlohmann::json build_metadata(const RunConfig& run, const std::map<std::string, 
   m["config_sha256"] = {{"resolved", run.resolved_sha256}, {"source", run.source_sha256}};
   const auto& student = roles.count("student") ? *roles.at("student") : *roles.begin()->second;
   const auto& wc = student.model->config();
-  m["model"] = {{"kind", wan_model_kind(wc)}, {"architecture", wc.to_json()}};
+  m["model"] = {{"kind", wc.kind()}, {"architecture", wc.to_json()}};
   m["attention"] = attention_json(run, student);
 
   const nlohmann::json lineage = lineage_json(student);
@@ -428,7 +428,7 @@ nlohmann::json build_metadata(const RunConfig& run, const std::map<std::string, 
   contract["attention_kind"] = model::is_vsa_backend(sb) ? "VSA" : "dense";
   contract["cube_shape"] = cube_shape_json(sb);
   contract["physical_block_tokens"] = model::is_vsa_backend(sb) ? nlohmann::json(vsa_ref::kPhysicalBlockTokens) : nlohmann::json(nullptr);
-  contract["model_kind"] = wan_model_kind(wc);
+  contract["model_kind"] = wc.kind();
   contract["model_architecture"] = wc.to_json();
   contract["precision"] = precision_json(student);
   contract["selection"] = selection_json(student);

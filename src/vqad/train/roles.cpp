@@ -26,17 +26,6 @@ std::vector<torch::Tensor> Role::trainable_parameters() const {
   return out;
 }
 
-std::string wan_model_kind(const model::WanConfig& c) {
-  auto same = [&](const model::WanConfig& ref) {
-    return c.num_attention_heads == ref.num_attention_heads && c.attention_head_dim == ref.attention_head_dim &&
-           c.num_layers == ref.num_layers && c.ffn_dim == ref.ffn_dim && c.text_dim == ref.text_dim;
-  };
-  if (same(model::WanConfig::wan_1_3b())) return "wan-t2v-1.3b";
-  if (same(model::WanConfig::wan_14b())) return "wan-t2v-14b";
-  if (same(model::WanConfig::tiny())) return "wan-t2v-tiny";
-  return "wan-t2v-custom";
-}
-
 static std::pair<model::QuantPlan, std::vector<std::pair<std::string, std::shared_ptr<ops::LinearQuant>>>>
 attach_quant_plan_with_table(model::WanModel& model, const model::QuantConfig& config,
                              const std::map<std::string, float>& amax_table);
@@ -232,7 +221,7 @@ static std::shared_ptr<Role> build_role_impl(const RunConfig& run, const std::st
                : "");
     }
   }
-  log::info(key, ": ", wan_model_kind(role->model->config()), " (", role->init_kind, "), attention ",
+  log::info(key, ": ", role->model->config().kind(), " (", role->init_kind, "), attention ",
             attention_backend_name(rc.attention_backend), ", linears ",
             role->plan.empty() ? std::string("dense") : std::to_string(role->plan.entries.size()) + " NVFP4",
             rc.trainable ? ", trainable" : ", frozen");

@@ -68,7 +68,4 @@ attach_quant_plan(model::WanModel& model, const model::QuantConfig& config);
 // models.<role>.init_from.
 model::WanConfig role_architecture(const RunConfig& run, const std::string& role_name);
 
-// Wan model kind for metadata: "wan-t2v-1.3b", "wan-t2v-14b", or "wan-t2v-custom".
-std::string wan_model_kind(const model::WanConfig& c);
-
 }  // namespace vqad::train

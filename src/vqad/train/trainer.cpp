@@ -43,23 +43,6 @@ namespace fs = std::filesystem;
 
 namespace vqad::train {
 
-torch::Device parse_device(const std::string& s) {
-  if (s == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  torch::Device d(torch::kCPU);
-  try {
-    d = torch::Device(s);
-  } catch (const std::exception&) {
-    fail("--device: unknown device '", s, "' (valid: cpu, cuda, cuda:N, auto)");
-  }
-  VQAD_CHECK(d.is_cpu() || d.is_cuda(), "--device: '", s, "' is not supported (valid: cpu, cuda, cuda:N, auto)");
-  if (d.is_cuda()) {
-    VQAD_CHECK(torch::cuda::is_available(), "--device ", s,
-               ": CUDA is not available in this build or on this machine (a CPU build links LibTorch "
-               "without CUDA; build on a GPU machine)");
-  }
-  return d;
-}
-
 struct Trainer::Impl {
   const MethodRegistration* registration = nullptr;
   std::shared_ptr<const data::Dataset> dataset;
@@ -191,7 +174,7 @@ void Trainer::print_dry_run() const {
     // fp32 master weights (+ fp32 grads + two AdamW moments when trainable).
     const double gib = static_cast<double>(n) * (role->config.trainable ? 16.0 : 4.0) / (1024.0 * 1024.0 * 1024.0);
     total_gib += gib;
-    std::cout << "# role " << name << ": " << wan_model_kind(role->model->config()) << ", " << n
+    std::cout << "# role " << name << ": " << role->model->config().kind() << ", " << n
               << " parameters, attention " << attention_backend_name(role->config.attention_backend)
               << ", weights+grads+optimizer " << gib << " GiB\n";
     std::cout << "# quant plan (" << name << "): "

@@ -67,9 +67,6 @@ class Trainer {
   std::map<std::string, std::shared_ptr<Role>> roles_;
 };
 
-// `device` string of the CLI: cpu | cuda | cuda:N | auto (cuda when available).
-torch::Device parse_device(const std::string& s);
-
 // A trainer checkpoint (or its role directory) -> a Diffusers transformer directory
 // with metadata (checkpoint_state inference_export) usable as the next stage's init_from.
 std::string export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir,

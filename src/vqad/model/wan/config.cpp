@@ -70,6 +70,17 @@ WanConfig WanConfig::tiny() {
   return c;
 }
 
+std::string WanConfig::kind() const {
+  auto same = [&](const WanConfig& ref) {
+    return num_attention_heads == ref.num_attention_heads && attention_head_dim == ref.attention_head_dim &&
+           num_layers == ref.num_layers && ffn_dim == ref.ffn_dim && text_dim == ref.text_dim;
+  };
+  if (same(wan_1_3b())) return "wan-t2v-1.3b";
+  if (same(wan_14b())) return "wan-t2v-14b";
+  if (same(tiny())) return "wan-t2v-tiny";
+  return "wan-t2v-custom";
+}
+
 WanConfig WanConfig::preset(const std::string& name) {
   if (name == "1.3B") return wan_1_3b();
   if (name == "14B") return wan_14b();

@@ -41,6 +41,10 @@ struct WanConfig {
   static WanConfig tiny();
   // "1.3B" | "14B" | "tiny"
   static WanConfig preset(const std::string& name);
+  // The name metadata and logs give the architecture: "wan-t2v-1.3b", "wan-t2v-14b",
+  // "wan-t2v-tiny" (heads, head dim, layers, FFN and text dims of a preset), else
+  // "wan-t2v-custom".
+  std::string kind() const;
 
   // Strict: every architecture field must be present with the right type; fields that
   // Diffusers defaults (eps, rope_max_seq_len, qk_norm, cross_attn_norm, ...) may be absent;

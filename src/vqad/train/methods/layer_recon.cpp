@@ -13,8 +13,8 @@ void check_shared_embeddings(Role& student, const Role& teacher, const std::stri
   const auto& tc = teacher.model->config();
   VQAD_CHECK(sc.dim() == tc.dim() && sc.num_layers == tc.num_layers && sc.in_channels == tc.in_channels &&
                  sc.text_dim == tc.text_dim && sc.patch_size == tc.patch_size && sc.ffn_dim == tc.ffn_dim,
-             method, ": models.student (", wan_model_kind(sc), ", dim ", sc.dim(), ", ", sc.num_layers,
-             " layers) and models.teacher (", wan_model_kind(tc), ", dim ", tc.dim(), ", ", tc.num_layers,
+             method, ": models.student (", sc.kind(), ", dim ", sc.dim(), ", ", sc.num_layers,
+             " layers) and models.teacher (", tc.kind(), ", dim ", tc.dim(), ", ", tc.num_layers,
              " layers) must have the same architecture (the student reconstructs the teacher block by block)");
   auto sp = student.model->named_parameters();
   auto tp = teacher.model->named_parameters();
