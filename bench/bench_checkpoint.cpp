@@ -26,10 +26,10 @@
 
 #include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
-#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/core/file_io.h"
 #include "vqad/core/sha256.h"
+#include "vqad/io/device.h"
 #include "vqad/model/wan/model.h"
 #include "vqad/train/checkpoint_dir.h"
 #include "vqad/train/checkpoint_writer.h"

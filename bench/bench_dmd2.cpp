@@ -20,10 +20,10 @@
 
 #include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
-#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/core/metrics.h"
 #include "vqad/data/synthetic.h"
+#include "vqad/io/device.h"
 #include "vqad/io/tensors.h"
 #include "vqad/model/wan/config.h"
 #include "vqad/train/config.h"

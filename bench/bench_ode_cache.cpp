@@ -21,9 +21,9 @@
 
 #include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
-#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/data/synthetic.h"
+#include "vqad/io/device.h"
 #include "vqad/io/tensors.h"
 #include "vqad/sample/ode_generate.h"
 

@@ -272,6 +272,11 @@ static std::vector<dist::RoleFootprint> dmd2_roles_1_3b() {
           {"teacher", model::WanConfig::wan_1_3b(), false},
           {"critic", model::WanConfig::wan_1_3b(), true}};
 }
+// One 1.3B model's fp32 parameters (or gradients), in GiB.
+static double wan_1_3b_fp32_gib() {
+  return 4.0 * static_cast<double>(dist::wan_parameter_count(model::WanConfig::wan_1_3b())) /
+         (1024.0 * 1024.0 * 1024.0);
+}
 
 TEST(DistMemory, FrozenRolesReplicatedOnRequest) {
   // DMD2 at 1.3B, shard 4: the frozen teacher's fp32 weights split over the shard group, or
@@ -284,9 +289,7 @@ TEST(DistMemory, FrozenRolesReplicatedOnRequest) {
   const auto sharded = dist::estimate_memory(roles, m);
   m.shard_frozen = false;
   const auto replicated = dist::estimate_memory(roles, m);
-  const double teacher_gib =
-      4.0 * static_cast<double>(dist::wan_parameter_count(model::WanConfig::wan_1_3b())) / (1024.0 * 1024.0 * 1024.0);
-  EXPECT_NEAR(replicated.states_gib - sharded.states_gib, teacher_gib * 3.0 / 4.0, 1e-9) << replicated.text;
+  EXPECT_NEAR(replicated.states_gib - sharded.states_gib, wan_1_3b_fp32_gib() * 3.0 / 4.0, 1e-9) << replicated.text;
   EXPECT_NE(replicated.text.find("teacher"), std::string::npos);
   EXPECT_NE(replicated.text.find("replicated"), std::string::npos) << replicated.text;
 }
@@ -302,9 +305,7 @@ TEST(DistMemory, UnreducedAccumulationHoldsEveryTrainableRolesFullGradients) {
   const auto per_step = dist::estimate_memory(roles, m);
   m.unreduced_accumulation = true;
   const auto unreduced = dist::estimate_memory(roles, m);
-  const double grads_gib =
-      4.0 * static_cast<double>(dist::wan_parameter_count(model::WanConfig::wan_1_3b())) / (1024.0 * 1024.0 * 1024.0);
-  EXPECT_NEAR(unreduced.gathered_gib - per_step.gathered_gib, 2.0 * grads_gib, 1e-9) << unreduced.text;
+  EXPECT_NEAR(unreduced.gathered_gib - per_step.gathered_gib, 2.0 * wan_1_3b_fp32_gib(), 1e-9) << unreduced.text;
   EXPECT_NEAR(unreduced.states_gib, per_step.states_gib, 1e-12);
   EXPECT_NE(unreduced.text.find("full fp32 grads held over the micro-steps"), std::string::npos) << unreduced.text;
   EXPECT_EQ(per_step.text.find("held over the micro-steps"), std::string::npos) << per_step.text;

@@ -5,11 +5,11 @@
 #include <iostream>
 
 #include "vqad/cli/commands.h"
-#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/dist/env.h"
 #include "vqad/dist/process_group.h"
+#include "vqad/io/device.h"
 #include "vqad/train/calibrate.h"
 #include "vqad/train/config.h"
 #include "vqad/train/trainer.h"

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "vqad/cli/commands.h"
-#include "vqad/io/device.h"
 #include "vqad/core/error.h"
+#include "vqad/io/device.h"
 #include "vqad/io/tensors.h"
 #include "vqad/media/render.h"
 #include "vqad/media/report.h"

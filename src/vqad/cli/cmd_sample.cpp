@@ -4,8 +4,8 @@
 #include <optional>
 
 #include "vqad/cli/commands.h"
-#include "vqad/io/device.h"
 #include "vqad/export/sample_run.h"
+#include "vqad/io/device.h"
 #include "vqad/media/render.h"
 #include "vqad/media/video_writer.h"
 #include "vqad/media/wan_vae.h"

@@ -4,13 +4,13 @@
 #include <iostream>
 
 #include "vqad/cli/commands.h"
-#include "vqad/io/device.h"
 #include "vqad/cli/suggest.h"
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/core/signals.h"
 #include "vqad/dist/env.h"
 #include "vqad/dist/process_group.h"
+#include "vqad/io/device.h"
 #include "vqad/train/config.h"
 #include "vqad/train/demo.h"
 #include "vqad/train/metadata.h"

@@ -9,13 +9,13 @@
 #include <set>
 
 #include "vqad/build_info.h"
-#include "vqad/io/device.h"
 #include "vqad/core/error.h"
 #include "vqad/core/log.h"
 #include "vqad/core/progress.h"
 #include "vqad/core/sha256.h"
 #include "vqad/data/parquet_dataset.h"
 #include "vqad/data/text_embeddings.h"
+#include "vqad/io/device.h"
 #include "vqad/model/wan/weights.h"
 #include "vqad/ops/attention.h"
 #include "vqad/version.h"

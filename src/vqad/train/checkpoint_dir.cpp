@@ -169,8 +169,13 @@ int remove_checkpoint_parts(const std::string& output_dir, long max_step) {
     }
     if (step > max_step) continue;
     log::info("removing ", e.path().string(), " (part of a sharded checkpoint that was not published)");
-    fs::remove_all(e.path(), ec);
-    ++n;
+    std::error_code rm;
+    fs::remove_all(e.path(), rm);
+    if (rm)
+      log::warn("could not remove ", e.path().string(), ": ", rm.message(), " (a later save of step ", step,
+                " replaces its files)");
+    else
+      ++n;
   }
   return n;
 }

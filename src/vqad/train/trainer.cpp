@@ -43,6 +43,14 @@ namespace fs = std::filesystem;
 
 namespace vqad::train {
 
+namespace {
+// training.distributed.accumulate_unreduced_gradients in force: there are micro-steps whose
+// gradients a sharded role keeps unreduced.
+bool unreduced_accumulation(const TrainingConfig& tc) {
+  return tc.distributed.accumulate_unreduced_gradients && tc.loop.gradient_accumulation_steps > 1;
+}
+}  // namespace
+
 struct Trainer::Impl {
   const MethodRegistration* registration = nullptr;
   std::shared_ptr<const data::Dataset> dataset;
@@ -206,7 +214,7 @@ void Trainer::print_dry_run() const {
   mm.blocks_per_unit = d.fsdp_modules_per_group;
   mm.reshard_after_forward = d.reshard_after_forward;
   mm.shard_frozen = d.shard_frozen_roles;
-  mm.unreduced_accumulation = d.accumulate_unreduced_gradients && run_.training.loop.gradient_accumulation_steps > 1;
+  mm.unreduced_accumulation = unreduced_accumulation(run_.training);
   const auto est = dist::estimate_memory(fp, mm);
   std::cout << "# per-GPU memory estimate, mesh " << d.num_gpus << " GPUs = replicate " << d.hsdp_replicate_dim
             << " x shard " << d.hsdp_shard_dim << ", sp " << d.sp_size << ":\n";
@@ -307,8 +315,7 @@ TrainSummary Trainer::run() {
                 ", replicated ", d.hsdp_replicate_dim,
                 "x; reshard after forward ", d.reshard_after_forward ? "on" : "off", ", ",
                 d.fsdp_modules_per_group, " block(s) per unit; gradients reduce-scattered ",
-                d.accumulate_unreduced_gradients && tc.loop.gradient_accumulation_steps > 1
-                    ? "once per step (full gradients accumulated over the micro-steps)"
+                unreduced_accumulation(tc) ? "once per step (full gradients accumulated over the micro-steps)"
                     : "every micro-step");
   }
   const bool sharded = !I.sharded.empty();
@@ -402,7 +409,7 @@ TrainSummary Trainer::run() {
       dist::SequenceParallelScope sp_scope(I.dp ? I.dp->sp_group() : nullptr);
       // Sharded with accumulate_unreduced_gradients: only the last micro-step communicates.
       for (auto& [name, s] : I.sharded)
-        s->set_gradient_sync(!tc.distributed.accumulate_unreduced_gradients || micro + 1 == accum);
+        s->set_gradient_sync(!unreduced_accumulation(tc) || micro + 1 == accum);
       auto r = I.method->micro_step(batch, I.gen, options_.device, step, 1.0 / static_cast<double>(accum));
       for (const auto& [k, v] : r.metrics) rec[k] += v / static_cast<double>(accum);
       for (const auto& [k, v] : r.role_loss) role_loss[k] += v / static_cast<double>(accum);
