@@ -130,7 +130,7 @@ TEST(DistCollectives, LaunchedWorldsOf2And4PassEveryCheck) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     for (int k = 0; k < w; ++k)
       EXPECT_TRUE(contains(r.output, "dist check: rank " + std::to_string(k) + " of " + std::to_string(w) +
-                                         " (Gloo): 20 checks passed"))
+                                         " (Gloo): 21 checks passed"))
           << r.output;
   }
   fs::remove_all(dir);
@@ -147,7 +147,7 @@ TEST(DistCollectives, LogDirHoldsEachRanksOutput) {
     std::ifstream f(dir / "logs" / ("rank_" + std::to_string(k) + ".log"));
     std::stringstream ss;
     ss << f.rdbuf();
-    EXPECT_TRUE(contains(ss.str(), "dist check: rank " + std::to_string(k) + " of 2 (Gloo): 20 checks passed"))
+    EXPECT_TRUE(contains(ss.str(), "dist check: rank " + std::to_string(k) + " of 2 (Gloo): 21 checks passed"))
         << ss.str();
   }
   // A failing rank is named with its log file.
@@ -173,7 +173,7 @@ TEST(DistCollectives, RankZeroHostsTheStoreWithoutTheLauncher) {
   auto r = test_dist::run_shell(line, dir / "log");
   EXPECT_TRUE(contains(r.output, "rc0=0")) << r.output;
   EXPECT_TRUE(contains(r.output, "rc1=0")) << r.output;
-  EXPECT_TRUE(contains(r.output, "rank 1 of 2 (Gloo): 20 checks passed")) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 1 of 2 (Gloo): 21 checks passed")) << r.output;
   fs::remove_all(dir);
 }
 

@@ -227,9 +227,10 @@ TEST_F(DistTrain, SequenceParallelWorldsOf2And4MatchOneProcess) {
 }
 
 // Sharded data parallelism: every rank holds 1/S of each parameter, gradient and AdamW
-// moment; a block's parameters are all-gathered (fp32) before it runs and again for its
-// backward, and its gradients reduce-scattered after it. The arithmetic is the replicated
-// run's (same fp32 weights in every GEMM), so the same tolerances hold. Meshes: shard 2;
+// moment; a block's parameters are all-gathered before it runs and again for its backward
+// (the linear weights as BF16, the rest fp32), and its gradients reduce-scattered after it.
+// The arithmetic is the replicated run's (the same values in every GEMM), so the same
+// tolerances hold. Meshes: shard 2;
 // replicate 2 x shard 2 under SP 2 with activation checkpointing (the recomputation runs
 // after the backward gather); shard 4 with both blocks in one unit kept gathered from
 // forward to backward. A shard missing from the gather, a gradient reduced twice or a
@@ -272,6 +273,32 @@ TEST_F(DistTrain, ShardedMeshesMatchOneProcess) {
     const double n_once = once[i].at("reduce_scatters/student").get<double>();
     EXPECT_GE(n_once, 3) << "step " << i + 1 << ": the root unit and the two blocks";
     EXPECT_EQ(n_every, 2 * n_once) << "step " << i + 1;
+  }
+  // The meshes above gather the linear weights as BF16 (training.distributed.gather_dtype
+  // bf16, the default); with every parameter gathered as fp32 the run is the same bit for bit
+  // (the BF16 compute reads those weights only rounded to BF16), at about twice the bytes.
+  {
+    const auto out = root / "sharded_fp32_gathers";
+    auto r = train(2, out, 3, 3, " --training.distributed.gather_dtype fp32", 1, 2);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(contains(r.output, "parameters gathered as fp32")) << r.output;
+    const auto bf16 = read_metrics((root / "sharded0" / "metrics.jsonl").string());
+    const auto fp32 = read_metrics((out / "metrics.jsonl").string());
+    ASSERT_EQ(bf16.size(), fp32.size());
+    double mib_bf16 = 0, mib_fp32 = 0;
+    for (size_t i = 0; i < bf16.size(); ++i) {
+      EXPECT_EQ(bf16[i].at("loss").get<double>(), fp32[i].at("loss").get<double>()) << "step " << i + 1;
+      EXPECT_EQ(bf16[i].at("grad_norm/student").get<double>(), fp32[i].at("grad_norm/student").get<double>())
+          << "step " << i + 1;
+      mib_bf16 += bf16[i].at("all_gather_mib/student").get<double>();
+      mib_fp32 += fp32[i].at("all_gather_mib/student").get<double>();
+    }
+    EXPECT_GT(mib_fp32, 0.0);
+    EXPECT_LT(mib_bf16, 0.6 * mib_fp32) << "BF16 gathers moved " << mib_bf16 << " MiB, fp32 ones " << mib_fp32;
+    auto wa = model::read_weights((root / "sharded0" / "checkpoint-3" / "student").string());
+    auto wb = model::read_weights((out / "checkpoint-3" / "student").string());
+    ASSERT_EQ(wa.tensors.size(), wb.tensors.size());
+    for (const auto& [k, t] : wa.tensors) EXPECT_TRUE(torch::equal(t, wb.tensors.at(k))) << k;
   }
   // The sharded checkpoint is a complete, verifiable one (every file hashed in its metadata).
   auto verify = test_dist::run_vqad("lineage " + (root / "sharded0" / "checkpoint-3").string() + " --verify",

@@ -129,28 +129,36 @@ int wan_sequence_parallel_check(dist::ProcessGroup& pg) {
 // gradients (rel-L2 <= 1e-5; a shard gathered to the wrong place or a gradient reduced twice
 // is off by O(1)). Variants: a unit per block, released after forward; with block
 // checkpointing (the recomputation after the backward gather); two blocks per unit kept
-// gathered from forward to backward.
+// gathered from forward to backward; BF16 compute with the linear weights gathered as BF16
+// (every parameter perturbed off the BF16 grid first, so a parameter gathered as BF16 that some
+// reader uses in fp32, e.g. a norm weight, changes the prediction), which must still give the
+// unsharded prediction bit for bit, at less than 0.6x the bytes of the fp32 gathers.
 int wan_sharded_check(dist::ProcessGroup& pg) {
   const auto dev = pg.device();
   struct Variant {
     bool ckpt, reshard;
     int64_t blocks_per_unit;
+    bool bf16;
     const char* name;
   };
   int checks = 0;
-  for (const Variant v : {Variant{false, true, 1, "a unit per block"},
-                          Variant{true, true, 1, "a unit per block, block checkpointing"},
-                          Variant{false, false, 2, "two blocks per unit, no reshard after forward"}}) {
+  int64_t fp32_gather_bytes = 0;
+  for (const Variant v : {Variant{false, true, 1, false, "a unit per block"},
+                          Variant{true, true, 1, false, "a unit per block, block checkpointing"},
+                          Variant{false, false, 2, false, "two blocks per unit, no reshard after forward"},
+                          Variant{false, true, 1, true, "a unit per block, BF16 compute, BF16 gathers"}}) {
     model::WanConfig c = model::WanConfig::tiny();
     c.attention_head_dim = 16;
     model::WanModelOptions mo;
     mo.device = dev;
-    mo.compute_dtype = torch::kFloat32;
+    mo.compute_dtype = v.bf16 ? torch::kBFloat16 : torch::kFloat32;
     model::WanModel m(c, mo);
     {
       torch::NoGradGuard ng;
+      auto pg_gen = at::make_generator<at::CPUGeneratorImpl>(3);
       for (auto& p : m.parameters()) {
         auto d = p.detach();
+        if (v.bf16) d.add_(at::randn(d.sizes(), pg_gen, torch::TensorOptions(torch::kFloat32)).to(dev), 1e-2);
         pg.broadcast(d, 0, "sharded check parameters");
       }
     }
@@ -176,7 +184,7 @@ int wan_sharded_check(dist::ProcessGroup& pg) {
       item.value().mutable_grad() = torch::Tensor();
     }
     dist::FullyShardedModel sharded("check", m.shard_units(v.blocks_per_unit),
-                                    dist::ShardingOptions{&pg, nullptr, 1, v.reshard});
+                                    dist::ShardingOptions{&pg, nullptr, 1, v.reshard, /*gather_bf16=*/true});
     m.set_sharding(&sharded, v.blocks_per_unit);
     const auto y = step();
     sharded.finish_backward();
@@ -190,6 +198,19 @@ int wan_sharded_check(dist::ProcessGroup& pg) {
       const double e = (gr.to(torch::kFloat64) - want.to(torch::kFloat64)).norm().item<double>() / std::max(den, 1e-30);
       VQAD_CHECK(e <= 1e-5, "dist check: Wan backward under sharded data parallelism", how, ": gradient of ", name,
                  " (reduce-scattered) differs from the sum of the ranks' unsharded gradients, rel-L2 ", e);
+    }
+    // gather_bf16 is on in every variant: under fp32 compute nothing is read as BF16, so
+    // every gather moves fp32; under BF16 compute the linear weights move as BF16.
+    if (v.bf16) {
+      VQAD_CHECK(sharded.bf16_gathered_elements() > sharded.parameter_elements() / 2,
+                 "dist check: BF16 gathers", how, ": only ", sharded.bf16_gathered_elements(), " of ",
+                 sharded.parameter_elements(), " parameter elements are gathered as BF16");
+      VQAD_CHECK(sharded.all_gather_bytes() < fp32_gather_bytes * 0.6, "dist check: BF16 gathers", how,
+                 ": received ", sharded.all_gather_bytes(), " bytes, the fp32 gathers ", fp32_gather_bytes);
+    } else if (v.blocks_per_unit == 1 && !v.ckpt) {
+      VQAD_CHECK(sharded.bf16_gathered_elements() == 0, "dist check: fp32 compute", how, ": ",
+                 sharded.bf16_gathered_elements(), " parameter elements gathered as BF16");
+      fp32_gather_bytes = sharded.all_gather_bytes();
     }
     m.set_sharding(nullptr, 1);
     ++checks;

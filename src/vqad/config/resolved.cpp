@@ -95,6 +95,7 @@ Json to_json(const TrainingConfig& t) {
                       {"fsdp_modules_per_group", d.fsdp_modules_per_group},
                       {"shard_frozen_roles", d.shard_frozen_roles},
                       {"accumulate_unreduced_gradients", d.accumulate_unreduced_gradients},
+                      {"gather_dtype", d.gather_dtype},
                       {"reduce_dtype", d.reduce_dtype},
                       {"fsdp_symmetric_memory", d.fsdp_symmetric_memory}};
   const auto& a = t.data;

@@ -163,6 +163,9 @@ struct DistributedConfig {
   // true: with sharding and gradient accumulation, each rank keeps its full unreduced
   // gradients across the micro-steps and reduces once per optimizer step
   bool accumulate_unreduced_gradients = false;
+  // bf16: the parameters the BF16 compute reads only rounded (linear weights and biases) are
+  // all-gathered as BF16, the rest as fp32 (exact either way); fp32: everything as fp32
+  std::string gather_dtype = "bf16";
   std::string reduce_dtype = "fp32";  // fp32 | bf16
   bool fsdp_symmetric_memory = false;  // accepted for FastVideo recipes; a GPU-memory knob
   int64_t dp_size() const { return num_gpus / sp_size; }

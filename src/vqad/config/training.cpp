@@ -39,6 +39,12 @@ const SectionSchema& distributed_schema() {
               "step (no communication per micro-step; costs the full gradients on every rank). false: each "
               "micro-step reduce-scatters its gradients into the shards. Replicated data parallelism always "
               "reduces once per step"),
+          choice_key("gather_dtype", {"bf16", "fp32"}, "bf16",
+                     "dtype of the parameter all-gathers before a unit's forward and backward (hsdp_shard_dim > 1): "
+                     "bf16 moves the weights and biases of the linear layers and the patch embedding (which the BF16 "
+                     "compute reads only rounded to BF16) as BF16 and the rest (norms, modulation tables) as fp32, "
+                     "about half the bytes and the same arithmetic as fp32; fp32 moves every parameter as fp32. "
+                     "Checkpoints always gather fp32"),
           planned(choice_key("reduce_dtype", {"fp32", "bf16"}, "fp32", "gradient reduction dtype", true),
                   kShardingKnob),
           planned(key("fsdp_symmetric_memory", K::kBool, false, "symmetric-memory collectives (a GPU-memory knob)"),
@@ -278,6 +284,7 @@ TrainingConfig parse_training(const Ctx& ctx, const Json* node, const Json& mode
     x.fsdp_modules_per_group = d.i64("fsdp_modules_per_group");
     x.shard_frozen_roles = d.boolean("shard_frozen_roles");
     x.accumulate_unreduced_gradients = d.boolean("accumulate_unreduced_gradients");
+    x.gather_dtype = d.choice("gather_dtype");
     x.reduce_dtype = d.choice("reduce_dtype");
     x.fsdp_symmetric_memory = d.boolean("fsdp_symmetric_memory");
     d.finish();

@@ -70,6 +70,11 @@ struct FullyShardedModel::Unit {
     torch::Tensor shard;  // this rank's [chunk] fp32 elements of the flattened, padded parameter
     int64_t numel = 0, chunk = 0, offset = 0;  // offset: in the unit's row of sum(chunk) elements
     bool trainable = false;
+    // Gathered as BF16 under gather_bf16 (ShardParam::read_as_bf16). word: the entry's offset
+    // in 16-bit words in the row of a BF16-mode gather (the fp32 entries first, 2 words per
+    // element, then the BF16 ones, 1 word per element).
+    bool bf16 = false;
+    int64_t word = 0;
     // The parameter from its padded elements (S x chunk in rank order, any layout that
     // flattens to them): the first numel of them, shaped like the parameter.
     torch::Tensor unpad(const torch::Tensor& padded) const {
@@ -79,7 +84,10 @@ struct FullyShardedModel::Unit {
   std::string name;
   std::vector<Entry> entries;
   int64_t row = 0;
+  int64_t words = 0;      // 16-bit words per rank of a BF16-mode gather (even)
+  bool has_bf16 = false;  // an entry is gathered as BF16 under gather_bf16
   bool gathered = false;
+  bool exact = false;     // gathered, and every parameter holds its fp32 value
   int pending = 0;  // recorded forwards whose backward has not reached the post-backward hook
   c10::intrusive_ptr<HookRef> ref;
 };
@@ -111,7 +119,7 @@ FullyShardedModel::FullyShardedModel(std::string what, std::vector<ShardUnitSpec
     u->ref = c10::make_intrusive<HookRef>();
     u->ref->owner = this;
     u->ref->unit = units_.size();
-    for (auto& [name, p] : spec.params) {
+    for (auto& [name, p, read_as_bf16] : spec.params) {
       VQAD_CHECK(p.defined() && p.scalar_type() == torch::kFloat32, "sharded data parallel (", what_, "): parameter ",
                  name, " must be fp32 (the master weights), found ",
                  p.defined() ? std::string(c10::toString(p.scalar_type())) : std::string("undefined"));
@@ -122,6 +130,8 @@ FullyShardedModel::FullyShardedModel(std::string what, std::vector<ShardUnitSpec
       e.offset = u->row;
       u->row += e.chunk;
       e.trainable = p.requires_grad();
+      e.bf16 = options_.gather_bf16 && read_as_bf16;
+      u->has_bf16 = u->has_bf16 || e.bf16;
       // Its own contiguous storage (nothing else may share what gets released).
       p.set_data(p.detach().clone(at::MemoryFormat::Contiguous));
       e.shard = slice_of(e, p, rank);
@@ -129,6 +139,13 @@ FullyShardedModel::FullyShardedModel(std::string what, std::vector<ShardUnitSpec
       e.param = p;
       u->entries.push_back(std::move(e));
     }
+    for (const bool bf16 : {false, true})
+      for (auto& e : u->entries)
+        if (e.bf16 == bf16) {
+          e.word = u->words;
+          u->words += e.chunk * (bf16 ? 1 : 2);
+        }
+    u->words += u->words % 2;  // the row is sent as fp32 words
     u->gathered = true;
     release_unit(*u);
     units_.push_back(std::move(u));
@@ -142,17 +159,32 @@ FullyShardedModel::~FullyShardedModel() {
 
 size_t FullyShardedModel::num_units() const { return units_.size(); }
 
-namespace {
-torch::Tensor unit_send_buffer(const FullyShardedModel::Unit& u) {
+// This rank's row of a unit gather: the shards in fp32 (row elements), or with `bf16` the
+// 16-bit words of the BF16-mode layout (fp32 entries as two words per element, then
+// bf16(shard) of the BF16 entries) viewed as fp32 words for the collective, which only
+// copies them.
+torch::Tensor FullyShardedModel::send_buffer(const Unit& u, bool bf16) {
   std::vector<torch::Tensor> parts;
-  parts.reserve(u.entries.size());
-  for (const auto& e : u.entries) parts.push_back(e.shard.detach());
-  return torch::cat(parts);
+  parts.reserve(u.entries.size() + 1);
+  if (!bf16) {
+    for (const auto& e : u.entries) parts.push_back(e.shard.detach());
+  } else {
+    for (const bool half : {false, true})
+      for (const auto& e : u.entries)
+        if (e.bf16 == half)
+          parts.push_back(half ? e.shard.detach().to(torch::kBFloat16).view(torch::kInt16)
+                               : e.shard.detach().view(torch::kInt16));
+    int64_t n = 0;
+    for (const auto& t : parts) n += t.numel();
+    if (n < u.words) parts.push_back(torch::zeros({u.words - n}, parts.front().options()));
+  }
+  auto row = torch::cat(parts);
+  return bf16 ? row.view(torch::kFloat32) : row;
 }
-}  // namespace
 
-void FullyShardedModel::fill_unit(Unit& u, const torch::Tensor& gathered) {
-  auto all = gathered.view({group_size(options_), u.row});
+void FullyShardedModel::fill_unit(Unit& u, const torch::Tensor& gathered, bool bf16) {
+  const int64_t S = group_size(options_);
+  auto all = bf16 ? gathered.view(torch::kInt16).view({S, u.words}) : gathered.view({S, u.row});
   for (auto& e : u.entries) {
     allocate_storage(e.param, e.name);
     // Written through an alias of the storage with its own version counter: the parameter's
@@ -160,24 +192,36 @@ void FullyShardedModel::fill_unit(Unit& u, const torch::Tensor& gathered) {
     // same values).
     auto dst = torch::from_blob(e.param.storage().mutable_data(), e.param.sizes(),
                                 e.param.options().requires_grad(false));
-    dst.copy_(e.unpad(all.narrow(1, e.offset, e.chunk)));
+    torch::Tensor src;  // [S, chunk]
+    if (!bf16)
+      src = all.narrow(1, e.offset, e.chunk);
+    else if (e.bf16)
+      src = all.narrow(1, e.word, e.chunk).view(torch::kBFloat16);
+    else
+      src = all.narrow(1, e.word, 2 * e.chunk).view(torch::kFloat32);
+    dst.copy_(e.unpad(src));  // BF16 -> fp32 is exact
   }
   u.gathered = true;
+  u.exact = !bf16;
 }
 
-void FullyShardedModel::gather_unit(Unit& u) {
-  if (u.gathered) return;
+void FullyShardedModel::gather_unit(Unit& u, bool exact) {
+  if (u.gathered && (u.exact || !exact)) return;
   if (prefetch_.active()) {
     const bool mine = units_[prefetch_unit_].get() == &u;
     complete_prefetch();
-    if (mine) return;
+    if (mine && u.gathered && (u.exact || !exact)) return;
   }
+  release_unit(u);  // gathered with BF16 entries, wanted exact
   torch::NoGradGuard ng;
   if (u.entries.empty()) {
-    u.gathered = true;
+    u.gathered = u.exact = true;
     return;
   }
-  fill_unit(u, options_.shard->all_gather(unit_send_buffer(u), "gather " + what_ + " " + u.name));
+  const bool bf16 = u.has_bf16 && !exact;
+  auto row = send_buffer(u, bf16);
+  if (!exact) gather_bytes_ += row.numel() * 4 * group_size(options_);
+  fill_unit(u, options_.shard->all_gather(row, "gather " + what_ + " " + u.name), bf16);
 }
 
 void FullyShardedModel::prefetch(size_t unit) {
@@ -185,7 +229,10 @@ void FullyShardedModel::prefetch(size_t unit) {
   Unit& u = *units_[unit];
   if (u.gathered || u.entries.empty()) return;
   torch::NoGradGuard ng;
-  prefetch_ = options_.shard->all_gather_async(unit_send_buffer(u), "prefetch " + what_ + " " + u.name);
+  prefetch_bf16_ = u.has_bf16;
+  auto row = send_buffer(u, prefetch_bf16_);
+  gather_bytes_ += row.numel() * 4 * group_size(options_);
+  prefetch_ = options_.shard->all_gather_async(row, "prefetch " + what_ + " " + u.name);
   prefetch_unit_ = unit;
 }
 
@@ -194,13 +241,28 @@ void FullyShardedModel::complete_prefetch() {
   torch::NoGradGuard ng;
   auto gathered = prefetch_.wait();
   Unit& u = *units_[prefetch_unit_];
-  if (!u.gathered) fill_unit(u, gathered);
+  if (!u.gathered) fill_unit(u, gathered, prefetch_bf16_);
 }
 
 void FullyShardedModel::release_unit(Unit& u) {
   if (!u.gathered) return;
   for (auto& e : u.entries) release_storage(e.param);
-  u.gathered = false;
+  u.gathered = u.exact = false;
+}
+
+int64_t FullyShardedModel::parameter_elements() const {
+  int64_t n = 0;
+  for (const auto& u : units_)
+    for (const auto& e : u->entries) n += e.numel;
+  return n;
+}
+
+int64_t FullyShardedModel::bf16_gathered_elements() const {
+  int64_t n = 0;
+  for (const auto& u : units_)
+    for (const auto& e : u->entries)
+      if (e.bf16) n += e.numel;
+  return n;
 }
 
 void FullyShardedModel::reduce_unit_grads(Unit& u) {
@@ -432,7 +494,7 @@ void FullyShardedModel::visit_written_state(const torch::optim::AdamW* shard_sta
   torch::NoGradGuard ng;
   for (size_t ui = 0; ui < units_.size(); ++ui) {
     Unit& u = *units_[ui];
-    gather_unit(u);
+    gather_unit(u, /*exact=*/true);
     // The moments of the unit's updated parameters: one gather of [exp_avg | exp_avg_sq
     // (| max_exp_avg_sq)] pieces (the same parameters have state on every rank).
     struct WithState {

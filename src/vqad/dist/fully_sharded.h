@@ -13,7 +13,8 @@
 //
 // Use. The model calls gather(root) before its embedding and head, and enter_block /
 // leave_block around each block:
-//  - enter: all-gather the unit (fp32: the forward is the same arithmetic as unsharded) and
+//  - enter: all-gather the unit (the forward is the same arithmetic as unsharded: fp32, or
+//    with gather_bf16 the parameters that are only read rounded to BF16 as BF16) and
 //    mark the block input so that, when its gradient is complete, the unit's backward is
 //    done (post-backward);
 //  - leave: release the unit (reshard_after_forward) and mark the block output so that its
@@ -57,9 +58,18 @@
 
 namespace vqad::dist {
 
+struct ShardParam {
+  std::string name;
+  torch::Tensor tensor;  // the module parameter (fp32)
+  // Every reader of the parameter in forward and backward uses it rounded to BF16 (the
+  // linear layers under BF16 compute), so gathering bf16(shard) computes exactly what
+  // gathering the fp32 shard does (ShardingOptions::gather_bf16).
+  bool read_as_bf16 = false;
+};
+
 struct ShardUnitSpec {
-  std::string name;                                            // "root", "blocks.0-1", ...
-  std::vector<std::pair<std::string, torch::Tensor>> params;  // module parameters (fp32)
+  std::string name;  // "root", "blocks.0-1", ...
+  std::vector<ShardParam> params;
 };
 
 struct ShardingOptions {
@@ -67,6 +77,10 @@ struct ShardingOptions {
   ProcessGroup* replicate = nullptr;  // the ranks holding the same shard (nullptr: none)
   int64_t dp_size = 1;                // the divisor of the summed gradients
   bool reshard_after_forward = true;  // false: a unit stays gathered until its backward
+  // The forward and backward all-gathers move the parameters marked read_as_bf16 as BF16 (the
+  // rest as fp32): about half the bytes, the same arithmetic. Checkpoints and exports always
+  // gather fp32 (training.distributed.gather_dtype).
+  bool gather_bf16 = false;
 };
 
 class FullyShardedModel {
@@ -94,6 +108,12 @@ class FullyShardedModel {
   void set_gradient_sync(bool sync) { sync_ = sync; }
   // Gradient reduce-scatters issued so far (one per unit that had gradients to reduce).
   int64_t reduce_scatters_issued() const { return reduce_scatters_; }
+  // Bytes this rank has received in the forward / backward parameter all-gathers so far (the
+  // checkpoint gathers not included).
+  int64_t all_gather_bytes() const { return gather_bytes_; }
+  // Elements of the model's parameters that the forward / backward gathers move as BF16.
+  int64_t bf16_gathered_elements() const;
+  int64_t parameter_elements() const;
   void finish_backward();
   void finish_step();
   // The trainable parameters' shards (requires_grad), in parameter order: the optimizer's
@@ -143,8 +163,11 @@ class FullyShardedModel {
   struct Unit;
 
  private:
-  void gather_unit(Unit& u);
-  void fill_unit(Unit& u, const torch::Tensor& gathered);
+  // exact: the fp32 values whatever gather_bf16 says (checkpoints); a unit gathered with
+  // BF16 entries is gathered again.
+  void gather_unit(Unit& u, bool exact = false);
+  torch::Tensor send_buffer(const Unit& u, bool bf16);
+  void fill_unit(Unit& u, const torch::Tensor& gathered, bool bf16);
   void prefetch(size_t unit);
   void complete_prefetch();
   void release_unit(Unit& u);
@@ -156,6 +179,7 @@ class FullyShardedModel {
   std::vector<std::unique_ptr<Unit>> units_;
   size_t prefetch_unit_ = 0;
   PendingCollective prefetch_;
+  bool prefetch_bf16_ = false;
   struct PendingReduce {
     PendingCollective work;
     size_t unit = 0;
@@ -164,6 +188,7 @@ class FullyShardedModel {
   PendingReduce reduce_;
   bool sync_ = true;
   int64_t reduce_scatters_ = 0;
+  int64_t gather_bytes_ = 0;
 };
 
 }  // namespace vqad::dist

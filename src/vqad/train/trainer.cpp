@@ -49,6 +49,19 @@ namespace {
 bool unreduced_accumulation(const TrainingConfig& tc) {
   return tc.distributed.accumulate_unreduced_gradients && tc.loop.gradient_accumulation_steps > 1;
 }
+
+// "BF16 for 97.3% of the elements (linear weights and biases), fp32 for the rest" for the log.
+std::string gather_summary(const std::map<std::string, std::unique_ptr<dist::FullyShardedModel>>& sharded) {
+  int64_t bf16 = 0, all = 0;
+  for (const auto& [name, s] : sharded) {
+    bf16 += s->bf16_gathered_elements();
+    all += s->parameter_elements();
+  }
+  if (bf16 == 0) return "fp32";
+  char pct[32];
+  std::snprintf(pct, sizeof(pct), "%.1f%%", 100.0 * static_cast<double>(bf16) / static_cast<double>(std::max<int64_t>(1, all)));
+  return std::string("BF16 for ") + pct + " of the elements (linear weights and biases), fp32 for the rest";
+}
 }  // namespace
 
 struct Trainer::Impl {
@@ -281,7 +294,7 @@ TrainSummary Trainer::run() {
       auto s = std::make_unique<dist::FullyShardedModel>(
           name, role->model->shard_units(d.fsdp_modules_per_group),
           dist::ShardingOptions{I.dp->shard_group(), I.dp->replicate_group(), I.dp->dp_size(),
-                                d.reshard_after_forward});
+                                d.reshard_after_forward, d.gather_dtype == "bf16"});
       role->model->set_sharding(s.get(), d.fsdp_modules_per_group);
       if (auto it = I.optimizers.find(name); it != I.optimizers.end()) {
         auto& o = it->second;
@@ -316,14 +329,15 @@ TrainSummary Trainer::run() {
                 "x; reshard after forward ", d.reshard_after_forward ? "on" : "off", ", ",
                 d.fsdp_modules_per_group, " block(s) per unit; gradients reduce-scattered ",
                 unreduced_accumulation(tc) ? "once per step (full gradients accumulated over the micro-steps)"
-                    : "every micro-step");
+                    : "every micro-step", "; parameters gathered as ", gather_summary(I.sharded));
   }
   const bool sharded = !I.sharded.empty();
   // A sharded run's checkpoints are written by the ranks of the first shard group (global
   // ranks 0 .. S-1) together, each its units (CheckpointWriter::save_sharded); the other
   // replicate groups hold the same shards and write nothing.
   std::map<std::string, dist::FullyShardedModel*> sharded_trainable;
-  std::map<std::string, int64_t> reduce_scatters_before;  // for the per-step count in the metrics
+  std::map<std::string, int64_t> reduce_scatters_before;  // for the per-step counts in the metrics
+  std::map<std::string, int64_t> all_gather_before;
   bool writes_part = false;
   if (sharded) {
     for (auto& [name, o] : I.optimizers) sharded_trainable[name] = I.sharded.at(name).get();
@@ -503,6 +517,12 @@ TrainSummary Trainer::run() {
         rec["reduce_scatters/" + name] = static_cast<double>(n - reduce_scatters_before[name]);
         reduce_scatters_before[name] = n;
       }
+    // Every sharded role's parameter all-gathers of this step (MiB received per rank).
+    for (const auto& [name, s] : I.sharded) {
+      const int64_t b = s->all_gather_bytes();
+      rec["all_gather_mib/" + name] = static_cast<double>(b - all_gather_before[name]) / (1024.0 * 1024.0);
+      all_gather_before[name] = b;
+    }
     if (metrics) metrics->log(step, rec);
     summary.losses.push_back(loss);
     summary.last_step = step;

@@ -1,6 +1,7 @@
 #include "vqad/model/wan/model.h"
 
 #include <cmath>
+#include <set>
 
 #include "vqad/core/error.h"
 #include "vqad/dist/ulysses.h"
@@ -43,6 +44,8 @@ WanModel::WanModel(const WanConfig& config, const WanModelOptions& options)
 void WanModel::set_compute_dtype(torch::ScalarType dtype) {
   VQAD_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
              "Wan model: compute dtype must be float32 or bfloat16, found ", c10::toString(dtype));
+  VQAD_CHECK(!sharded_ || dtype == options_.compute_dtype, "Wan model: the compute dtype cannot change while the "
+             "model is sharded (the sharding chose its gather dtypes for ", c10::toString(options_.compute_dtype), ")");
   options_.compute_dtype = dtype;
 }
 
@@ -148,11 +151,20 @@ std::vector<dist::ShardUnitSpec> WanModel::shard_units(int64_t blocks_per_unit) 
     const int64_t b = u * blocks_per_unit, e = std::min(num_blocks(), b + blocks_per_unit);
     units[u + 1].name = "blocks." + std::to_string(b) + (e - b > 1 ? "-" + std::to_string(e - 1) : "");
   }
+  // Under BF16 compute the linear layers and the patch embedding read their weights and
+  // biases only as bf16(w) (cast_like, and the NVFP4 linears quantize bf16(w) and take their
+  // straight-through backward in the gradient's BF16); norms, the modulation tables and
+  // everything run in fp32 read the fp32 values.
+  std::set<std::string> bf16_read;
+  if (options_.compute_dtype == torch::kBFloat16)
+    for (const auto& m : named_modules("", false))
+      if (std::dynamic_pointer_cast<Linear>(m.value()) || std::dynamic_pointer_cast<PatchEmbedding>(m.value()))
+        for (const auto& p : m.value()->named_parameters(false)) bf16_read.insert(m.key() + "." + p.key());
   for (const auto& item : named_parameters(true)) {
     const std::string& k = item.key();
     size_t unit = 0;
     if (k.rfind("blocks.", 0) == 0) unit = 1 + std::stoll(k.substr(7)) / blocks_per_unit;
-    units.at(unit).params.emplace_back(k, item.value());
+    units.at(unit).params.push_back({k, item.value(), bf16_read.count(k) > 0});
   }
   return units;
 }

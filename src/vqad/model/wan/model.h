@@ -67,7 +67,8 @@ class WanModel : public torch::nn::Module {
 
   // Sharded data parallelism (dist/fully_sharded.h). The units: "root" (everything outside
   // the blocks: embeddings, proj_out, scale_shift_table), then the blocks, `blocks_per_unit`
-  // to a unit (training.distributed.fsdp_modules_per_group).
+  // to a unit (training.distributed.fsdp_modules_per_group). Under BF16 compute the weights
+  // and biases of the linear layers and the patch embedding are marked read_as_bf16.
   std::vector<dist::ShardUnitSpec> shard_units(int64_t blocks_per_unit);
   // From now on embed / forward_blocks / head gather and release through `sharded` (built
   // from shard_units(blocks_per_unit)); nullptr: the parameters are whole again (the caller
