@@ -216,7 +216,7 @@ LoadedTeacher load_ode_teacher(const OdeTeacherSpec& spec, torch::Device device,
     } else {
       VQAD_CHECK(fs::exists(spec.init_from), "models.teacher.init_from: '", spec.init_from,
                  "' is not a local path (vqad does not download models: give a local Diffusers directory, a vqad "
-                 "export, or random:<tiny|1.3B|14B>)");
+                 "export, or random:<preset> with preset tiny, tiny-hd128, tiny-4head, 1.3B or 14B)");
       t.model = model::wan_from_pretrained(spec.init_from, mopt);
       const auto src = model::locate_weights(spec.init_from);
       const fs::path root = fs::is_directory(spec.init_from) ? fs::path(spec.init_from) : fs::path(spec.init_from).parent_path();

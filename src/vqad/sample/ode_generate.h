@@ -38,7 +38,7 @@ namespace vqad::sample {
 
 struct OdeTeacherSpec {
   std::string target;     // models.teacher._target_ as written ("" when absent)
-  std::string init_from;  // Diffusers directory, vqad export, or random:<tiny|1.3B|14B>
+  std::string init_from;  // Diffusers directory, vqad export, or random:<preset> (WanConfig::preset)
   AttentionBackend attention_backend = AttentionBackend::kTorchSdpa;  // dense only
 };
 

@@ -156,7 +156,7 @@ static std::shared_ptr<Role> build_role_impl(const RunConfig& run, const std::st
     } else {
       VQAD_CHECK(fs::exists(rc.init_from), key, ".init_from: '", rc.init_from,
                  "' is not a local path (vqad does not download models: give a local Diffusers "
-                 "directory, a vqad export, or random:<tiny|1.3B|14B>)");
+                 "directory, a vqad export, or random:<preset> with preset tiny, tiny-hd128, tiny-4head, 1.3B or 14B)");
       // A vqad checkpoint or export is used only if its files are the ones its metadata records.
       if (const std::string md = metadata_dir_of(rc.init_from); !md.empty()) require_intact(md, key + ".init_from");
       model::LoadReport report;

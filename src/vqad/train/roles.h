@@ -44,8 +44,9 @@ struct RoleBuildOptions {
 };
 
 // init_from: a local Diffusers model directory (or its transformer/ directory), a vqad
-// export, or "random:<tiny|1.3B|14B>" for a freshly initialized model. Hub ids are
-// not downloaded: a non-existent path is an error naming models.<role>.init_from.
+// export, or "random:<preset>" (tiny, tiny-hd128, tiny-4head, 1.3B, 14B) for a freshly
+// initialized model. Hub ids are not downloaded: a non-existent path is an error naming
+// models.<role>.init_from.
 std::shared_ptr<Role> build_role(const RunConfig& run, const std::string& role_name,
                                  const RoleBuildOptions& options);
 

@@ -94,7 +94,15 @@ WanConfig WanConfig::preset(const std::string& name) {
     c.ffn_dim = 256;
     return c;
   }
-  fail("Wan model preset '", name, "' is unknown; valid presets: 1.3B, 14B, tiny, tiny-hd128");
+  if (name == "tiny-4head") {
+    // The tiny model with its 64 channels split into 4 heads of 16: runs with Ulysses
+    // sequence parallelism of up to 4 ranks (the recipes' sp_size 4) on the CPU.
+    WanConfig c = tiny();
+    c.num_attention_heads = 4;
+    c.attention_head_dim = 16;
+    return c;
+  }
+  fail("Wan model preset '", name, "' is unknown; valid presets: 1.3B, 14B, tiny, tiny-hd128, tiny-4head");
 }
 
 WanConfig WanConfig::from_json(const json& j, const std::string& where) {
