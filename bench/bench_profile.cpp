@@ -52,6 +52,8 @@ ProfileSummary profile_once(const std::function<void()>& fn, bool cuda, const st
   std::unique_ptr<prof::ProfilerResult> result;
   try {
     fn();
+    // Kernels still running when the profiler stops are not recorded: wait for them.
+    if (cuda) torch::cuda::synchronize();
     result = prof::disableProfiler();
   } catch (...) {
     prof::disableProfiler();

@@ -22,7 +22,8 @@ struct ProfileSummary {
   double device_total_ms = 0;
 };
 
-// Runs `fn` once under the profiler (CPU ops, and CUDA activity when `cuda`); writes the
+// Runs `fn` once under the profiler (CPU ops, and CUDA activity when `cuda`, waiting for the
+// device before the profiler stops); writes the
 // Chrome trace to `trace_path` when not empty.
 ProfileSummary profile_once(const std::function<void()>& fn, bool cuda, const std::string& trace_path);
 // Kernel-name category used in the summary.

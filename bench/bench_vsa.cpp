@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_profile.h"
 #include "vqad/cli/commands.h"
 #include "vqad/core/error.h"
 #include "vqad/numerics/vsa_ref.h"
@@ -47,6 +48,7 @@ struct VsaBenchOptions {
   bool dense = true;   // also time dense ATTN_QAT_TRAIN and cuDNN SDPA
   bool check = true;   // CPU-reference check before timing
   std::string out_dir = "bench_out";
+  std::string profile_dir;  // non-empty: one more forward + backward per row under the profiler
 };
 
 struct Grid {
@@ -202,6 +204,25 @@ nlohmann::json bench_variant(const Variant& var, const Grid& gr, const VsaBenchO
   r["fwd_tflops"] = flops / (r["fwd_ms"].get<double>() * 1e9);
   r["bwd_tflops"] = 2.5 * flops / (r["bwd_ms"].get<double>() * 1e9);
   r["fwd_bwd_tflops"] = 3.5 * flops / (r["fwd_bwd_ms"].get<double>() * 1e9);
+  if (!o.profile_dir.empty()) {
+    // Where the time of one forward + backward goes, kernel by kernel (after the timed calls).
+    std::filesystem::create_directories(o.profile_dir);
+    const std::string tag = std::to_string(gr.t) + "x" + std::to_string(gr.h) + "x" + std::to_string(gr.w) + "_" +
+                            var.name;
+    const std::string base = (std::filesystem::path(o.profile_dir) / ("vsa_" + tag)).string();
+    const auto prof = bench::profile_once(
+        [&] {
+          vc::Saved s2;
+          vc::forward(q, k, v, gate, t, opts, &s2);
+          vc::backward(q, k, v, gate, s2, d_o, t, opts);
+        },
+        true, base + ".trace.json");
+    const std::string table = bench::profile_table(prof, 30);
+    std::ofstream(base + ".txt") << table;
+    std::printf("[%s] profile of one forward + backward (trace: %s.trace.json)\n%s", tag.c_str(), base.c_str(),
+                table.c_str());
+    r["profile_device_ms"] = prof.device_total_ms;
+  }
   return r;
 }
 
@@ -363,6 +384,9 @@ void register_bench_vsa_commands(CLI::App& app) {
   sub->add_flag("!--no-dense", opts->dense, "skip the dense ATTN_QAT_TRAIN and cuDNN rows");
   sub->add_flag("!--no-check", opts->check, "skip the CPU-reference check");
   sub->add_option("--out", opts->out_dir, "directory for bench_vsa.json")->capture_default_str();
+  sub->add_option("--profile", opts->profile_dir,
+                  "directory: one more forward + backward of each VSA row under the profiler (kernel table printed "
+                  "and written there, with a Chrome trace)");
   set_action(sub, [opts] { return run_vsa_bench(*opts); });
 }
 

@@ -121,48 +121,121 @@ __global__ void pool_kernel(const bf16* src, int64_t sb, int64_t sl, int64_t sh,
   out[o] = kMean ? bf16r(__fdiv_rn(sum, static_cast<float>(n))) : sum;
 }
 
-// Scores and softmax of one query cube row, one block per (b, h, i).
-__global__ void coarse_scores_kernel(const float* q_c, const float* k_c, float* scores, float* probs, int H,
-                                     int nc, float scale) {
-  extern __shared__ float sh_e[];  // [nc]
-  __shared__ float s_red[32];
-  __shared__ float s_sum;
-  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-  const int64_t bh = static_cast<int64_t>(b) * H + h;
-  const float* qi = q_c + (bh * nc + i) * kD;
-  const float* kb = k_c + bh * nc * kD;
-  float* srow = scores + (bh * nc + i) * nc;
-  float* prow = probs + (bh * nc + i) * nc;
-  float mx = -INFINITY;
-  for (int j = tid; j < nc; j += blockDim.x) {
-    const float* kj = kb + static_cast<int64_t>(j) * kD;
-    float dot = 0.0f;
-    for (int d = 0; d < kD; ++d) dot = __fadd_rn(dot, __fmul_rn(qi[d], kj[d]));
-    const float s = __fmul_rn(dot, scale);
-    srow[j] = s;
-    sh_e[j] = s;
-    mx = fmaxf(mx, s);
-  }
+// The coarse stage's cube-by-cube dot products: R rows a_r (query-cube rows, staged in
+// shared memory) against the rows j = j0 + threadIdx.x of b [nc, D] (global), each dot an
+// fp32 chain over d in order with IEEE-rounded mul and add (the reference's order, so the
+// scores and the selection stay equal to it). The rows of b pass through shared memory 32
+// channels at a time, transposed, so that the loads are coalesced and consecutive threads
+// read consecutive banks; R rows per block read b once for all of them. Every thread of the
+// block calls it (it synchronizes); s_a must be written before the call.
+constexpr int kCoarseThreads = 256;
+constexpr int kCoarseChunk = 32;
+constexpr int kCoarseRows = 4;  // query-cube rows per block
+template <int R>
+__device__ __forceinline__ void coarse_dots(const float (*s_a)[kD], const float* b, int nc, int j0,
+                                            float (*s_b)[kCoarseThreads + 1], float (&dot)[R]) {
+  const int tid = threadIdx.x;
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if ((tid & 31) == 0) s_red[tid >> 5] = mx;
+  for (int r = 0; r < R; ++r) dot[r] = 0.0f;
+  for (int c0 = 0; c0 < kD; c0 += kCoarseChunk) {
+    __syncthreads();  // the previous chunk is consumed (and s_a written, on the first)
+    for (int e = tid; e < kCoarseThreads * kCoarseChunk; e += kCoarseThreads) {
+      const int jr = e / kCoarseChunk, c = e % kCoarseChunk, j = j0 + jr;
+      s_b[c][jr] = j < nc ? b[static_cast<int64_t>(j) * kD + c0 + c] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int c = 0; c < kCoarseChunk; ++c) {
+      const float x = s_b[c][tid];
+#pragma unroll
+      for (int r = 0; r < R; ++r) dot[r] = __fadd_rn(dot[r], __fmul_rn(s_a[r][c0 + c], x));
+    }
+  }
+}
+
+// Loads rows i0 .. i0 + R - 1 of src [nc, D] into s_a (zeros past nc).
+template <int R>
+__device__ __forceinline__ void load_coarse_rows(const float* src, int i0, int nc, float (*s_a)[kD]) {
+  for (int e = threadIdx.x; e < R * kD; e += blockDim.x) {
+    const int r = e / kD, d = e % kD;
+    s_a[r][d] = i0 + r < nc ? src[static_cast<int64_t>(i0 + r) * kD + d] : 0.0f;
+  }
+}
+
+// Block-wide max of one value per row (R rows), every thread gets the results.
+template <int R>
+__device__ __forceinline__ void block_row_max(float (&v)[R], float (*s_red)[kCoarseThreads / 32], float* out) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v[r] = fmaxf(v[r], __shfl_xor_sync(0xffffffffu, v[r], off));
+    if ((tid & 31) == 0) s_red[r][tid >> 5] = v[r];
+  }
   __syncthreads();
-  if (tid == 0) {
+  if (tid < R) {
     float m = -INFINITY;
-    for (int w = 0; w < static_cast<int>(blockDim.x + 31) / 32; ++w) m = fmaxf(m, s_red[w]);
-    s_red[0] = m;
+    for (int w = 0; w < kCoarseThreads / 32; ++w) m = fmaxf(m, s_red[tid][w]);
+    out[tid] = m;
   }
   __syncthreads();
-  const float row_max = s_red[0];
-  for (int j = tid; j < nc; j += blockDim.x) sh_e[j] = expf(__fsub_rn(sh_e[j], row_max));
+}
+
+// Scores and softmax of R query cube rows, one block per (b, h, R rows). The row of
+// `probs` holds the exponentials before the division (each thread reads back only its own
+// entries, the row sums run after a barrier in index order).
+template <int R>
+__global__ void __launch_bounds__(kCoarseThreads) coarse_scores_kernel(const float* q_c, const float* k_c,
+                                                                       float* scores, float* probs, int H, int nc,
+                                                                       float scale) {
+  __shared__ float s_b[kCoarseChunk][kCoarseThreads + 1];
+  __shared__ float s_a[R][kD];
+  __shared__ float s_red[R][kCoarseThreads / 32];
+  __shared__ float s_max[R], s_sum[R];
+  const int i0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int rows = min(R, nc - i0);
+  const int64_t bh = static_cast<int64_t>(b) * H + h;
+  load_coarse_rows<R>(q_c + bh * nc * kD, i0, nc, s_a);
+  const float* kb = k_c + bh * nc * kD;
+  float* srow = scores + (bh * nc + i0) * nc;
+  float* prow = probs + (bh * nc + i0) * nc;
+  float mx[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) mx[r] = -INFINITY;
+  for (int j0 = 0; j0 < nc; j0 += kCoarseThreads) {
+    float dot[R];
+    coarse_dots<R>(s_a, kb, nc, j0, s_b, dot);
+    const int j = j0 + tid;
+    if (j < nc) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;
+        const float sc = __fmul_rn(dot[r], scale);
+        srow[static_cast<int64_t>(r) * nc + j] = sc;
+        prow[static_cast<int64_t>(r) * nc + j] = sc;
+        mx[r] = fmaxf(mx[r], sc);
+      }
+    }
+  }
+  block_row_max<R>(mx, s_red, s_max);
+  for (int r = 0; r < rows; ++r)
+    for (int j = tid; j < nc; j += kCoarseThreads) {
+      float* p = prow + static_cast<int64_t>(r) * nc + j;
+      *p = expf(__fsub_rn(*p, s_max[r]));
+    }
   __syncthreads();
-  if (tid == 0) {
+  if (tid < rows) {
+    const float* p = prow + static_cast<int64_t>(tid) * nc;
     float sum = 0.0f;
-    for (int j = 0; j < nc; ++j) sum = __fadd_rn(sum, sh_e[j]);
-    s_sum = sum;
+    for (int j = 0; j < nc; ++j) sum = __fadd_rn(sum, p[j]);
+    s_sum[tid] = sum;
   }
   __syncthreads();
-  for (int j = tid; j < nc; j += blockDim.x) prow[j] = __fdiv_rn(sh_e[j], s_sum);
+  for (int r = 0; r < rows; ++r)
+    for (int j = tid; j < nc; j += kCoarseThreads) {
+      float* p = prow + static_cast<int64_t>(r) * nc + j;
+      *p = __fdiv_rn(*p, s_sum[r]);
+    }
 }
 
 // out_c = bf16(probs . v_c), one thread per (b, h, i, d), sum over j in order.
@@ -287,31 +360,49 @@ __global__ void combine_kernel(const bf16* o_fine, const float* out_c, const bf1
   }
 }
 
-// Coarse backward of one query cube row i, one block per (b, h, i):
+// Coarse backward of R query cube rows, one block per (b, h, R rows):
 // dprobs_ij = d_outc_i . v_c_j; ds_ij = probs_ij * (dprobs_ij - sum_k probs_ik dprobs_ik) * scale.
-__global__ void coarse_dscores_kernel(const float* d_outc, const float* v_c, const float* probs, float* dscores,
-                                      int H, int nc, float scale) {
-  extern __shared__ float sh_dp[];  // [nc]
-  __shared__ float s_dot;
-  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+// The row of dscores holds dprobs until the last step (each thread rewrites its own entries).
+template <int R>
+__global__ void __launch_bounds__(kCoarseThreads) coarse_dscores_kernel(const float* d_outc, const float* v_c,
+                                                                        const float* probs, float* dscores, int H,
+                                                                        int nc, float scale) {
+  __shared__ float s_b[kCoarseChunk][kCoarseThreads + 1];
+  __shared__ float s_a[R][kD];
+  __shared__ float s_dot[R];
+  const int i0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int rows = min(R, nc - i0);
   const int64_t bh = static_cast<int64_t>(b) * H + h;
-  const float* gi = d_outc + (bh * nc + i) * kD;
-  const float* prow = probs + (bh * nc + i) * nc;
-  for (int j = tid; j < nc; j += blockDim.x) {
-    const float* vj = v_c + (bh * nc + j) * kD;
-    float dot = 0.0f;
-    for (int d = 0; d < kD; ++d) dot = __fadd_rn(dot, __fmul_rn(gi[d], vj[d]));
-    sh_dp[j] = dot;
+  load_coarse_rows<R>(d_outc + bh * nc * kD, i0, nc, s_a);
+  const float* vb = v_c + bh * nc * kD;
+  const float* prow = probs + (bh * nc + i0) * nc;
+  float* drow = dscores + (bh * nc + i0) * nc;
+  for (int j0 = 0; j0 < nc; j0 += kCoarseThreads) {
+    float dot[R];
+    coarse_dots<R>(s_a, vb, nc, j0, s_b, dot);
+    const int j = j0 + tid;
+    if (j < nc) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;
+        drow[static_cast<int64_t>(r) * nc + j] = dot[r];
+      }
+    }
   }
   __syncthreads();
-  if (tid == 0) {
+  if (tid < rows) {
+    const float* p = prow + static_cast<int64_t>(tid) * nc;
+    const float* dp = drow + static_cast<int64_t>(tid) * nc;
     float acc = 0.0f;
-    for (int j = 0; j < nc; ++j) acc = __fadd_rn(acc, __fmul_rn(prow[j], sh_dp[j]));
-    s_dot = acc;
+    for (int j = 0; j < nc; ++j) acc = __fadd_rn(acc, __fmul_rn(p[j], dp[j]));
+    s_dot[tid] = acc;
   }
   __syncthreads();
-  float* drow = dscores + (bh * nc + i) * nc;
-  for (int j = tid; j < nc; j += blockDim.x) drow[j] = __fmul_rn(__fmul_rn(prow[j], __fsub_rn(sh_dp[j], s_dot)), scale);
+  for (int r = 0; r < rows; ++r)
+    for (int j = tid; j < nc; j += kCoarseThreads) {
+      const int64_t o = static_cast<int64_t>(r) * nc + j;
+      drow[o] = __fmul_rn(__fmul_rn(prow[o], __fsub_rn(drow[o], s_dot[r])), scale);
+    }
 }
 
 // Cube-mean gradients, one thread per (b, h, cube c, d) (ds holds the scale):
@@ -543,8 +634,10 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
                                                      cube_slots, means[x]);
     VQAD_CUDA_CHECK_LAUNCH("vsa pool_kernel");
   }
-  coarse_scores_kernel<<<cube_grid, 256, static_cast<size_t>(nc) * 4, stream>>>(a.q_c, a.k_c, scores, a.probs, H,
-                                                                                nc, resolved_scale(c));
+  const dim3 row_grid(static_cast<unsigned>((nc + kCoarseRows - 1) / kCoarseRows), static_cast<unsigned>(H),
+                      static_cast<unsigned>(c.batch));
+  coarse_scores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, 0, stream>>>(a.q_c, a.k_c, scores, a.probs, H, nc,
+                                                                              resolved_scale(c));
   VQAD_CUDA_CHECK_LAUNCH("vsa coarse_scores_kernel");
   coarse_out_kernel<<<cube_grid, kD, 0, stream>>>(a.probs, a.v_c, a.out_c, H, nc);
   VQAD_CUDA_CHECK_LAUNCH("vsa coarse_out_kernel");
@@ -644,8 +737,10 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
         static_cast<const bf16*>(a.d_o.data), a.d_o.stride.b, a.d_o.stride.l, a.d_o.stride.h, static_cast<const bf16*>(a.gate.data),
         a.gate.stride.b, a.gate.stride.l, a.gate.stride.h, c.tiling.slot_to_token, c.tiling.cube_tokens, H, nc, cube_slots, d_outc);
     VQAD_CUDA_CHECK_LAUNCH("vsa pool_kernel (d out_c)");
-    coarse_dscores_kernel<<<cube_grid, 256, static_cast<size_t>(nc) * 4, stream>>>(d_outc, a.v_c, a.probs, dscores,
-                                                                                   H, nc, resolved_scale(c));
+    const dim3 row_grid(static_cast<unsigned>((nc + kCoarseRows - 1) / kCoarseRows), static_cast<unsigned>(H),
+                        static_cast<unsigned>(c.batch));
+    coarse_dscores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, 0, stream>>>(d_outc, a.v_c, a.probs, dscores, H,
+                                                                                nc, resolved_scale(c));
     VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dscores_kernel");
     coarse_dqkv_kernel<<<cube_grid, kD, 0, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc, dq_c, dk_c, dv_c, H,
                                                      nc);
