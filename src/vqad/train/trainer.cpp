@@ -50,7 +50,7 @@ bool unreduced_accumulation(const TrainingConfig& tc) {
   return tc.distributed.accumulate_unreduced_gradients && tc.loop.gradient_accumulation_steps > 1;
 }
 
-// "BF16 for 97.3% of the elements (linear weights and biases), fp32 for the rest" for the log.
+// "BF16 for 99.0% of the elements (...), fp32 for the rest" for the log.
 std::string gather_summary(const std::map<std::string, std::unique_ptr<dist::FullyShardedModel>>& sharded) {
   int64_t bf16 = 0, all = 0;
   for (const auto& [name, s] : sharded) {
@@ -60,7 +60,8 @@ std::string gather_summary(const std::map<std::string, std::unique_ptr<dist::Ful
   if (bf16 == 0) return "fp32";
   char pct[32];
   std::snprintf(pct, sizeof(pct), "%.1f%%", 100.0 * static_cast<double>(bf16) / static_cast<double>(std::max<int64_t>(1, all)));
-  return std::string("BF16 for ") + pct + " of the elements (linear weights and biases), fp32 for the rest";
+  return std::string("BF16 for ") + pct +
+         " of the elements (the weights and biases of the linear layers and the patch embedding), fp32 for the rest";
 }
 }  // namespace
 
