@@ -58,7 +58,8 @@ struct DistRecipes : ::testing::Test {
   std::string negative_prompt() {
     const fs::path p = root / "negative.safetensors";
     if (!fs::exists(p))
-      io::save_safetensors(p.string(), {{"negative_prompt", torch::randn({5, model::WanConfig::tiny().text_dim}) * 0.2}});
+      io::save_safetensors(p.string(),
+                           {{"negative_prompt", torch::randn({5, model::WanConfig::tiny().text_dim}) * 0.2}});
     return p.string();
   }
   // The recipes' cache shape: 48 teacher steps at shift 8, anchors every 4th step (so the
@@ -89,7 +90,8 @@ struct DistRecipes : ::testing::Test {
     ASSERT_EQ(r.exit_code, 0) << recipe << "\n" << r.output;
     const auto rows = read_metrics((out / "metrics.jsonl").string());
     ASSERT_EQ(rows.size(), static_cast<size_t>(steps)) << recipe;
-    for (const auto& row : rows) EXPECT_TRUE(std::isfinite(row.at("loss").get<double>())) << recipe << ": " << row.dump();
+    for (const auto& row : rows)
+      EXPECT_TRUE(std::isfinite(row.at("loss").get<double>())) << recipe << ": " << row.dump();
     std::ifstream f(out / ("checkpoint-" + std::to_string(steps)) / "trainer_state.json");
     ASSERT_TRUE(f.good()) << recipe << ": no checkpoint-" << steps;
     const auto mesh = nlohmann::json::parse(f).at("distributed");

@@ -61,8 +61,10 @@ Step run_step(WanModel& m, const torch::Tensor& x, const torch::Tensor& t, const
 
 // The first difference between two steps, or "" when they are equal bit for bit.
 std::string first_difference(const Step& a, const Step& b) {
-  if (!torch::equal(a.y, b.y))
-    return "output, max |diff| " + std::to_string((a.y.to(torch::kFloat32) - b.y.to(torch::kFloat32)).abs().max().item<double>());
+  if (!torch::equal(a.y, b.y)) {
+    const auto d = (a.y.to(torch::kFloat32) - b.y.to(torch::kFloat32)).abs().max();
+    return "output, max |diff| " + std::to_string(d.item<double>());
+  }
   if (a.grads.size() != b.grads.size()) return "number of gradients";
   for (const auto& [k, g] : a.grads) {
     auto it = b.grads.find(k);

@@ -131,7 +131,7 @@ int wan_sequence_parallel_check(dist::ProcessGroup& pg) {
 // checkpointing (the recomputation after the backward gather); two blocks per unit kept
 // gathered from forward to backward; BF16 compute with the linear weights gathered as BF16
 // (every parameter perturbed off the BF16 grid first, so a parameter gathered as BF16 that some
-// reader uses in fp32, e.g. a norm weight, changes the prediction), which must still give the
+// reader uses in fp32, e.g. a LayerNorm weight, changes the prediction), which must still give the
 // unsharded prediction bit for bit, at less than 0.6x the bytes of the fp32 gathers.
 int wan_sharded_check(dist::ProcessGroup& pg) {
   const auto dev = pg.device();
@@ -155,10 +155,10 @@ int wan_sharded_check(dist::ProcessGroup& pg) {
     model::WanModel m(c, mo);
     {
       torch::NoGradGuard ng;
-      auto pg_gen = at::make_generator<at::CPUGeneratorImpl>(3);
+      auto noise = at::make_generator<at::CPUGeneratorImpl>(3);
       for (auto& p : m.parameters()) {
         auto d = p.detach();
-        if (v.bf16) d.add_(at::randn(d.sizes(), pg_gen, torch::TensorOptions(torch::kFloat32)).to(dev), 1e-2);
+        if (v.bf16) d.add_(at::randn(d.sizes(), noise, torch::TensorOptions(torch::kFloat32)).to(dev), 1e-2);
         pg.broadcast(d, 0, "sharded check parameters");
       }
     }

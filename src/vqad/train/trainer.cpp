@@ -59,7 +59,8 @@ std::string gather_summary(const std::map<std::string, std::unique_ptr<dist::Ful
   }
   if (bf16 == 0) return "fp32";
   char pct[32];
-  std::snprintf(pct, sizeof(pct), "%.1f%%", 100.0 * static_cast<double>(bf16) / static_cast<double>(std::max<int64_t>(1, all)));
+  std::snprintf(pct, sizeof(pct), "%.1f%%",
+                100.0 * static_cast<double>(bf16) / static_cast<double>(std::max<int64_t>(1, all)));
   return std::string("BF16 for ") + pct +
          " of the elements (the weights and biases of the linear layers and the patch embedding), fp32 for the rest";
 }
