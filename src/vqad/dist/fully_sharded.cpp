@@ -164,22 +164,20 @@ size_t FullyShardedModel::num_units() const { return units_.size(); }
 // bf16(shard) of the BF16 entries) viewed as fp32 words for the collective, which only
 // copies them.
 torch::Tensor FullyShardedModel::send_buffer(const Unit& u, bool bf16) {
-  std::vector<torch::Tensor> parts;
-  parts.reserve(u.entries.size() + 1);
   if (!bf16) {
+    std::vector<torch::Tensor> parts;
+    parts.reserve(u.entries.size());
     for (const auto& e : u.entries) parts.push_back(e.shard.detach());
-  } else {
-    for (const bool half : {false, true})
-      for (const auto& e : u.entries)
-        if (e.bf16 == half)
-          parts.push_back(half ? e.shard.detach().to(torch::kBFloat16).view(torch::kInt16)
-                               : e.shard.detach().view(torch::kInt16));
-    int64_t n = 0;
-    for (const auto& t : parts) n += t.numel();
-    if (n < u.words) parts.push_back(torch::zeros({u.words - n}, parts.front().options()));
+    return torch::cat(parts);
   }
-  auto row = torch::cat(parts);
-  return bf16 ? row.view(torch::kFloat32) : row;
+  auto row = torch::empty({u.words}, u.entries.front().shard.options().dtype(torch::kInt16));
+  row.narrow(0, u.words - 1, 1).zero_();  // the pad word, when there is one
+  for (const auto& e : u.entries) {
+    const auto shard = e.shard.detach();
+    const auto words = e.bf16 ? shard.to(torch::kBFloat16).view(torch::kInt16) : shard.view(torch::kInt16);
+    row.narrow(0, e.word, words.numel()).copy_(words);
+  }
+  return row.view(torch::kFloat32);
 }
 
 void FullyShardedModel::fill_unit(Unit& u, const torch::Tensor& gathered, bool bf16) {

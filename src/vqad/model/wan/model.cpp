@@ -156,10 +156,11 @@ std::vector<dist::ShardUnitSpec> WanModel::shard_units(int64_t blocks_per_unit) 
   // straight-through backward in the gradient's BF16); norms, the modulation tables and
   // everything run in fp32 read the fp32 values.
   std::set<std::string> bf16_read;
-  if (options_.compute_dtype == torch::kBFloat16)
-    for (const auto& m : named_modules("", false))
-      if (std::dynamic_pointer_cast<Linear>(m.value()) || std::dynamic_pointer_cast<PatchEmbedding>(m.value()))
-        for (const auto& p : m.value()->named_parameters(false)) bf16_read.insert(m.key() + "." + p.key());
+  if (options_.compute_dtype == torch::kBFloat16) {
+    for (const auto& [name, lin] : named_linears())
+      for (const auto& p : lin->named_parameters(false)) bf16_read.insert(name + "." + p.key());
+    for (const auto& p : patch_embedding->named_parameters(false)) bf16_read.insert("patch_embedding." + p.key());
+  }
   for (const auto& item : named_parameters(true)) {
     const std::string& k = item.key();
     size_t unit = 0;
