@@ -65,60 +65,84 @@ __device__ __forceinline__ uint4 pack8(const float* y) {
   return out;
 }
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+// Eight consecutive fp32 values from a 32-byte aligned address (two 16-byte loads).
+__device__ __forceinline__ void load8f(const float* p, float* x) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
 
-// One thread per (b, h, slot, 16-channel block); the tiled output is contiguous.
-__global__ void tile_kernel(const bf16* src, int64_t sb, int64_t sl, int64_t sh, bf16* dst,
-                            const int32_t* slot_to_token, int H, int P, int64_t total, bool quantize) {
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int db = static_cast<int>(idx % (kD / 16));
-    const int64_t rest = idx / (kD / 16);
-    const int slot = static_cast<int>(rest % P);
-    const int64_t bh = rest / P;
-    const int h = static_cast<int>(bh % H);
-    const int64_t b = bh / H;
-    const int tok = slot_to_token[slot];
+// Tiling and coarse pooling in one pass over a raster tensor, one block of kD threads per
+// (cube, h, b). The cube's slots (raster rows through slot_to_token; zeros for padding)
+// are read once, 16 channels per thread and step, and written to the contiguous tiled
+// output (NVFP4 fake quantization per 16 channels when `quantize`, bit-exact with
+// launch_fake_quant_qkv). With pooling they also go to shared memory, and thread d then
+// sums channel d over the cube's valid slots (the first cube_tokens[cube]) in slot order,
+// an fp32 chain with IEEE add (the reference's order):
+//   Pool::kMean    pool = bf16(sum / count) of src (the coarse means q_c, k_c, v_c);
+//   Pool::kMulSum  pool = the sum of src * mul (fp32; d out_c = pool of dO * gate).
+enum class Pool { kNone, kMean, kMulSum };
+template <Pool POOL>
+__global__ void __launch_bounds__(kD) tile_pool_kernel(const bf16* src, int64_t sb, int64_t sl, int64_t sh,
+                                                       const bf16* mul, int64_t mb, int64_t ml, int64_t mh, bf16* dst,
+                                                       const int32_t* slot_to_token, const int32_t* cube_tokens, int H,
+                                                       int P, int nc, int cube_slots, bool quantize, float* pool) {
+  extern __shared__ uint4 s_rows[];  // kMean: [cube_slots][kD] src; kMulSum: then [cube_slots][kD] mul
+  constexpr int kGroups = kD / 16;   // 16-channel groups per row
+  const int cube = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+  const int64_t bh = static_cast<int64_t>(b) * H + h;
+  const int32_t* slots = slot_to_token + static_cast<int64_t>(cube) * cube_slots;
+  bf16* out = dst + (bh * P + static_cast<int64_t>(cube) * cube_slots) * kD;
+  for (int gi = t; gi < cube_slots * kGroups; gi += kD) {
+    const int r = gi / kGroups, cg = gi % kGroups;
+    const int tok = __ldg(slots + r);
     uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
     if (tok >= 0) {
-      const bf16* s = src + b * sb + static_cast<int64_t>(tok) * sl + h * sh + db * 16;
-      lo = __ldg(reinterpret_cast<const uint4*>(s));
-      hi = __ldg(reinterpret_cast<const uint4*>(s + 8));
-      if (quantize) {
-        float x[16];
-        unpack8(lo, x);
-        unpack8(hi, x + 8);
-        fake_quantize16(x);
-        lo = pack8(x);
-        hi = pack8(x + 8);
-      }
+      const bf16* sp = src + b * sb + static_cast<int64_t>(tok) * sl + h * sh + cg * 16;
+      lo = __ldg(reinterpret_cast<const uint4*>(sp));
+      hi = __ldg(reinterpret_cast<const uint4*>(sp + 8));
     }
-    uint4* d = reinterpret_cast<uint4*>(dst + idx * 16);
+    if constexpr (POOL != Pool::kNone) {
+      s_rows[gi * 2] = lo;
+      s_rows[gi * 2 + 1] = hi;
+    }
+    if constexpr (POOL == Pool::kMulSum) {
+      uint4 mlo = make_uint4(0, 0, 0, 0), mhi = mlo;
+      if (tok >= 0) {
+        const bf16* mp = mul + b * mb + static_cast<int64_t>(tok) * ml + h * mh + cg * 16;
+        mlo = __ldg(reinterpret_cast<const uint4*>(mp));
+        mhi = __ldg(reinterpret_cast<const uint4*>(mp + 8));
+      }
+      s_rows[(cube_slots * kGroups + gi) * 2] = mlo;
+      s_rows[(cube_slots * kGroups + gi) * 2 + 1] = mhi;
+    }
+    if (quantize && tok >= 0) {
+      float x[16];
+      unpack8(lo, x);
+      unpack8(hi, x + 8);
+      fake_quantize16(x);
+      lo = pack8(x);
+      hi = pack8(x + 8);
+    }
+    uint4* d = reinterpret_cast<uint4*>(out + static_cast<int64_t>(r) * kD + cg * 16);
     d[0] = lo;
     d[1] = hi;
   }
-}
-
-// Coarse pooling, one thread per (b, h, cube, d): the fp32 sum over the cube's valid slots
-// in slot order. kMean: bf16(sum / count) of src; else the sum of src * mul (fp32).
-template <bool kMean>
-__global__ void pool_kernel(const bf16* src, int64_t sb, int64_t sl, int64_t sh, const bf16* mul,
-                            int64_t mb, int64_t ml, int64_t mh, const int32_t* slot_to_token,
-                            const int32_t* cube_tokens, int H, int nc, int cube_slots, float* out) {
-  const int cube = blockIdx.x, h = blockIdx.y, b = blockIdx.z, d = threadIdx.x;
-  const int n = cube_tokens[cube];
-  const int32_t* slots = slot_to_token + static_cast<int64_t>(cube) * cube_slots;
-  float sum = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    const int64_t tok = slots[i];
-    const float x = __bfloat162float(src[b * sb + tok * sl + h * sh + d]);
-    if constexpr (kMean) {
-      sum = __fadd_rn(sum, x);
-    } else {
-      sum = __fadd_rn(sum, __fmul_rn(x, __bfloat162float(mul[b * mb + tok * ml + h * mh + d])));
+  if constexpr (POOL != Pool::kNone) {
+    __syncthreads();
+    const bf16* rows = reinterpret_cast<const bf16*>(s_rows);
+    const bf16* mrows = rows + static_cast<int64_t>(cube_slots) * kD;
+    const int n = cube_tokens[cube];
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const float x = __bfloat162float(rows[i * kD + t]);
+      if constexpr (POOL == Pool::kMean) {
+        sum = __fadd_rn(sum, x);
+      } else {
+        sum = __fadd_rn(sum, __fmul_rn(x, __bfloat162float(mrows[i * kD + t])));
+      }
     }
+    pool[(bh * nc + cube) * kD + t] = POOL == Pool::kMean ? bf16r(__fdiv_rn(sum, static_cast<float>(n))) : sum;
   }
-  const int64_t o = ((static_cast<int64_t>(b) * H + h) * nc + cube) * kD + d;
-  out[o] = kMean ? bf16r(__fdiv_rn(sum, static_cast<float>(n))) : sum;
 }
 
 // The coarse stage's cube-by-cube dot products: R rows a_r (query-cube rows, staged in
@@ -352,7 +376,8 @@ __global__ void combine_kernel(const bf16* o_fine, const float* out_c, const bf1
       float gv[8];
       unpack8(__ldg(reinterpret_cast<const uint4*>(gate + b * gb + static_cast<int64_t>(tok) * gl + h * gh + ch * 8)),
               gv);
-      const float* oc = out_c + (bh * nc + cube) * kD + ch * 8;
+      float oc[8];
+      load8f(out_c + (bh * nc + cube) * kD + ch * 8, oc);
 #pragma unroll
       for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(__fmul_rn(oc[e], gv[e]), f[e]);
     }
@@ -405,11 +430,13 @@ __global__ void __launch_bounds__(kCoarseThreads) coarse_dscores_kernel(const fl
     }
 }
 
-// Cube-mean gradients, one thread per (b, h, cube c, d) (ds holds the scale):
-// dq_c[c] = sum_j ds[c][j] k_c[j]; dk_c[c] = sum_i ds[i][c] q_c[i];
-// dv_c[c] = sum_i probs[i][c] d_outc[i].
+// Cube-mean gradients, one thread per (b, h, cube c, d) (ds holds the scale), written
+// divided by the cube's token count (what each of its tokens receives):
+// dq_c[c] = sum_j ds[c][j] k_c[j] / n_c; dk_c[c] = sum_i ds[i][c] q_c[i] / n_c;
+// dv_c[c] = sum_i probs[i][c] d_outc[i] / n_c.
 __global__ void coarse_dqkv_kernel(const float* dscores, const float* probs, const float* q_c, const float* k_c,
-                                   const float* d_outc, float* dq_c, float* dk_c, float* dv_c, int H, int nc) {
+                                   const float* d_outc, const int32_t* cube_tokens, float* dq_c, float* dk_c,
+                                   float* dv_c, int H, int nc) {
   const int cidx = blockIdx.x, h = blockIdx.y, b = blockIdx.z, d = threadIdx.x;
   const int64_t bh = static_cast<int64_t>(b) * H + h;
   const float* ds = dscores + bh * nc * nc;
@@ -425,14 +452,15 @@ __global__ void coarse_dqkv_kernel(const float* dscores, const float* probs, con
     av = __fadd_rn(av, __fmul_rn(pr[static_cast<int64_t>(j) * nc + cidx], gb[jr]));
   }
   const int64_t o = (bh * nc + cidx) * kD + d;
-  dq_c[o] = aq;
-  dk_c[o] = ak;
-  dv_c[o] = av;
+  const float cnt = static_cast<float>(cube_tokens[cidx]);
+  dq_c[o] = __fdiv_rn(aq, cnt);
+  dk_c[o] = __fdiv_rn(ak, cnt);
+  dv_c[o] = __fdiv_rn(av, cnt);
 }
 
 // Raster gradients, one thread per (b, token, h, 8 channels):
-// dX = bf16(dX_fine[slot] + dX_c[cube] / count) for X = q, k, v (no coarse term with a
-// zero gate); dgate = bf16(d_o * out_c[cube]).
+// dX = bf16(dX_fine[slot] + dX_c[cube]) for X = q, k, v, dX_c already divided by the
+// cube's count (no coarse term with a zero gate); dgate = bf16(d_o * out_c[cube]).
 struct UntileArgs {
   const bf16* dq_f;
   const bf16* dk_f;
@@ -449,7 +477,6 @@ struct UntileArgs {
   bf16* dgate;  // may be null
   int64_t qb_, ql_, qh_, kb_, kl_, kh_, vb_, vl_, vh_, gb_, gl_, gh_;
   const int32_t* token_to_slot;
-  const int32_t* cube_tokens;
   int L, H, P, nc, cube_slots;
   int64_t total;
 };
@@ -468,7 +495,6 @@ __global__ void untile_grads_kernel(const UntileArgs a) {
     const int64_t bh = b * a.H + h;
     const int64_t trow = (bh * a.P + slot) * kD + ch * 8;
     const int64_t crow = (bh * a.nc + cube) * kD + ch * 8;
-    const float cnt = static_cast<float>(a.cube_tokens[cube]);
     const bf16* fine[3] = {a.dq_f, a.dk_f, a.dv_f};
     const float* coarse[3] = {a.dq_c, a.dk_c, a.dv_c};
     bf16* outs[3] = {a.dq, a.dk, a.dv};
@@ -478,9 +504,10 @@ __global__ void untile_grads_kernel(const UntileArgs a) {
       float f[8];
       unpack8(*reinterpret_cast<const uint4*>(fine[x] + trow), f);
       if (a.dv_c != nullptr) {
-        const float* cr = coarse[x] + crow;
+        float cr[8];
+        load8f(coarse[x] + crow, cr);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(f[e], __fdiv_rn(cr[e], cnt));
+        for (int e = 0; e < 8; ++e) f[e] = __fadd_rn(f[e], cr[e]);
       }
       *reinterpret_cast<uint4*>(outs[x] + b * ob[x] + static_cast<int64_t>(tok) * ol[x] + h * oh[x] + ch * 8) =
           pack8(f);
@@ -490,7 +517,8 @@ __global__ void untile_grads_kernel(const UntileArgs a) {
       unpack8(__ldg(reinterpret_cast<const uint4*>(a.d_o + b * a.db_ + static_cast<int64_t>(tok) * a.dl_ + h * a.dh_ +
                                                    ch * 8)),
               g);
-      const float* oc = a.out_c + crow;
+      float oc[8];
+      load8f(a.out_c + crow, oc);
 #pragma unroll
       for (int e = 0; e < 8; ++e) g[e] = __fmul_rn(g[e], oc[e]);
       *reinterpret_cast<uint4*>(a.dgate + b * a.gb_ + static_cast<int64_t>(tok) * a.gl_ + h * a.gh_ + ch * 8) =
@@ -582,15 +610,38 @@ std::string shape_str(const VsaConfig& c) {
 }
 }  // namespace detail
 
-void launch_tile(const VsaConfig& c, BlhdIn src, void* dst_tiled, bool quantize, cudaStream_t stream) {
+namespace {
+// tile_pool_kernel over every (cube, h, b) of c; mul and pool as the kernel's POOL needs.
+template <Pool POOL>
+void launch_tile_pool(const VsaConfig& c, BlhdIn src, BlhdIn mul, void* dst_tiled, bool quantize, float* pool,
+                      cudaStream_t stream) {
   check_raster(kTileOp, "tile source", src, c);
+  if constexpr (POOL == Pool::kMulSum) check_raster(kTileOp, "pooling factor", mul, c);
   VQAD_LAUNCH_CHECK(dst_tiled != nullptr && reinterpret_cast<uintptr_t>(dst_tiled) % 16 == 0, kTileOp,
                     detail::shape_str(c), "expected a 16-byte aligned destination, found address ", dst_tiled);
-  const int64_t total = static_cast<int64_t>(c.batch) * c.heads * c.tiling.padded_len * (kD / 16);
-  tile_kernel<<<grid_for(total, 256), 256, 0, stream>>>(static_cast<const bf16*>(src.data), src.stride.b, src.stride.l, src.stride.h,
-                                                        static_cast<bf16*>(dst_tiled), c.tiling.slot_to_token,
-                                                        c.heads, c.tiling.padded_len, total, quantize);
-  VQAD_CUDA_CHECK_LAUNCH("vsa tile_kernel");
+  VQAD_LAUNCH_CHECK(POOL == Pool::kNone || pool != nullptr, kTileOp, detail::shape_str(c),
+                    "expected a pooling output, found null");
+  const int cube_slots = c.tiling.blocks_per_cube * kBT;
+  const size_t smem = POOL == Pool::kNone     ? 0
+                      : POOL == Pool::kMean   ? static_cast<size_t>(cube_slots) * kD * 2
+                                              : static_cast<size_t>(cube_slots) * kD * 4;
+  VQAD_LAUNCH_CHECK(smem <= 96 * 1024, kTileOp, detail::shape_str(c), "expected at most 96 KiB of shared memory, "
+                    "found ", smem, " bytes for ", cube_slots, " slots per cube");
+  if (smem > 48 * 1024)
+    VQAD_CUDA_CHECK(cudaFuncSetAttribute(tile_pool_kernel<POOL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>(c.tiling.num_cubes), static_cast<unsigned>(c.heads),
+                  static_cast<unsigned>(c.batch));
+  tile_pool_kernel<POOL><<<grid, kD, smem, stream>>>(
+      static_cast<const bf16*>(src.data), src.stride.b, src.stride.l, src.stride.h, static_cast<const bf16*>(mul.data),
+      mul.stride.b, mul.stride.l, mul.stride.h, static_cast<bf16*>(dst_tiled), c.tiling.slot_to_token,
+      c.tiling.cube_tokens, c.heads, c.tiling.padded_len, c.tiling.num_cubes, cube_slots, quantize, pool);
+  VQAD_CUDA_CHECK_LAUNCH("vsa tile_pool_kernel");
+}
+}  // namespace
+
+void launch_tile(const VsaConfig& c, BlhdIn src, void* dst_tiled, bool quantize, cudaStream_t stream) {
+  launch_tile_pool<Pool::kNone>(c, src, BlhdIn{}, dst_tiled, quantize, nullptr, stream);
 }
 
 size_t vsa_forward_workspace_bytes(const VsaConfig& c) {
@@ -620,20 +671,12 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   const int cube_slots = c.tiling.blocks_per_cube * kBT;
   const dim3 cube_grid(static_cast<unsigned>(nc), static_cast<unsigned>(H), static_cast<unsigned>(c.batch));
 
-  // 1. tiling (+ fake quant of the fine-stage operands)
-  launch_tile(c, a.q, a.tiled_q, c.quantize, stream);
-  launch_tile(c, a.k, a.tiled_k, c.quantize, stream);
-  launch_tile(c, a.v, a.tiled_v, c.quantize && c.quant_v, stream);
-  // 2. coarse stage on the unquantized inputs
-  const BlhdIn* srcs[3] = {&a.q, &a.k, &a.v};
-  float* means[3] = {a.q_c, a.k_c, a.v_c};
-  for (int x = 0; x < 3; ++x) {
-    const BlhdIn& r = *srcs[x];
-    pool_kernel<true><<<cube_grid, kD, 0, stream>>>(static_cast<const bf16*>(r.data), r.stride.b, r.stride.l, r.stride.h, nullptr, 0, 0,
-                                                     0, c.tiling.slot_to_token, c.tiling.cube_tokens, H, nc,
-                                                     cube_slots, means[x]);
-    VQAD_CUDA_CHECK_LAUNCH("vsa pool_kernel");
-  }
+  // 1. tiling (+ fake quant of the fine-stage operands) and, in the same pass, the cube
+  // means of the unquantized inputs (the coarse stage's)
+  launch_tile_pool<Pool::kMean>(c, a.q, BlhdIn{}, a.tiled_q, c.quantize, a.q_c, stream);
+  launch_tile_pool<Pool::kMean>(c, a.k, BlhdIn{}, a.tiled_k, c.quantize, a.k_c, stream);
+  launch_tile_pool<Pool::kMean>(c, a.v, BlhdIn{}, a.tiled_v, c.quantize && c.quant_v, a.v_c, stream);
+  // 2. coarse stage
   const dim3 row_grid(static_cast<unsigned>((nc + kCoarseRows - 1) / kCoarseRows), static_cast<unsigned>(H),
                       static_cast<unsigned>(c.batch));
   coarse_scores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, 0, stream>>>(a.q_c, a.k_c, scores, a.probs, H, nc,
@@ -706,7 +749,13 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
   // Fine stage: dO tiled, row statistics, the inverse lists, dQ over the lists and dK / dV
   // over the inverse lists (C128: one wgmma launch; C64: the mma.sync kernels).
   const bool wgmma_bwd = vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs;
-  launch_tile(c, a.d_o, d_o_t, false, stream);
+  // dO tiled; with a gate, d out_c (the pool of dO * gate) in the same pass.
+  const bool has_gate = a.gate.data != nullptr;
+  if (has_gate) {
+    launch_tile_pool<Pool::kMulSum>(c, a.d_o, a.gate, d_o_t, false, d_outc, stream);
+  } else {
+    launch_tile(c, a.d_o, d_o_t, false, stream);
+  }
   detail::launch_fine_stats(c, d_o_t, a.o_fine_hp, a.m, a.l, stats, stream);
   if (!wgmma_bwd) {
     detail::launch_fine_dq(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, a.sel_index, a.sel_count, dq_f,
@@ -730,20 +779,15 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
                              stream);
   }
 
-  // Coarse stage (only with a gate: a zero gate gives out_c no gradient).
-  const bool has_gate = a.gate.data != nullptr;
+  // Coarse stage (only with a gate: a zero gate gives out_c no gradient); d out_c above.
   if (has_gate) {
-    pool_kernel<false><<<cube_grid, kD, 0, stream>>>(
-        static_cast<const bf16*>(a.d_o.data), a.d_o.stride.b, a.d_o.stride.l, a.d_o.stride.h, static_cast<const bf16*>(a.gate.data),
-        a.gate.stride.b, a.gate.stride.l, a.gate.stride.h, c.tiling.slot_to_token, c.tiling.cube_tokens, H, nc, cube_slots, d_outc);
-    VQAD_CUDA_CHECK_LAUNCH("vsa pool_kernel (d out_c)");
     const dim3 row_grid(static_cast<unsigned>((nc + kCoarseRows - 1) / kCoarseRows), static_cast<unsigned>(H),
                         static_cast<unsigned>(c.batch));
     coarse_dscores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, 0, stream>>>(d_outc, a.v_c, a.probs, dscores, H,
                                                                                 nc, resolved_scale(c));
     VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dscores_kernel");
-    coarse_dqkv_kernel<<<cube_grid, kD, 0, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc, dq_c, dk_c, dv_c, H,
-                                                     nc);
+    coarse_dqkv_kernel<<<cube_grid, kD, 0, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc, c.tiling.cube_tokens,
+                                                     dq_c, dk_c, dv_c, H, nc);
     VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dqkv_kernel");
   }
 
@@ -766,7 +810,6 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
   u.vb_ = a.dv.stride.b, u.vl_ = a.dv.stride.l, u.vh_ = a.dv.stride.h;
   u.gb_ = a.dgate.stride.b, u.gl_ = a.dgate.stride.l, u.gh_ = a.dgate.stride.h;
   u.token_to_slot = c.tiling.token_to_slot;
-  u.cube_tokens = c.tiling.cube_tokens;
   u.L = c.tiling.len;
   u.H = H;
   u.P = c.tiling.padded_len;
