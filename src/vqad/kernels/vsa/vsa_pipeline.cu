@@ -251,6 +251,7 @@ __global__ void __launch_bounds__(kCoarseThreads) coarse_scores_kernel(const flo
   if (tid < rows) {
     const float* p = prow + static_cast<int64_t>(tid) * nc;
     float sum = 0.0f;
+#pragma unroll 8
     for (int j = 0; j < nc; ++j) sum = __fadd_rn(sum, p[j]);
     s_sum[tid] = sum;
   }
@@ -269,6 +270,7 @@ __global__ void coarse_out_kernel(const float* probs, const float* v_c, float* o
   const float* prow = probs + (bh * nc + i) * nc;
   const float* vb = v_c + bh * nc * kD + d;
   float acc = 0.0f;
+#pragma unroll 8
   for (int j = 0; j < nc; ++j) acc = __fadd_rn(acc, __fmul_rn(prow[j], vb[static_cast<int64_t>(j) * kD]));
   out_c[(bh * nc + i) * kD + d] = bf16r(acc);
 }
@@ -301,6 +303,8 @@ __global__ void select_kernel(const float* scores, const float* probs, int32_t* 
     s_sorted[r] = j;
   }
   __syncthreads();
+  __shared__ int s_n;
+  __shared__ int s_warp[32];
   if (tid == 0) {
     int n = topk;
     if (top_p_mode) {
@@ -314,13 +318,31 @@ __global__ void select_kernel(const float* scores, const float* probs, int32_t* 
       }
       n = n < 1 ? 1 : n;
     }
-    int32_t* out = sel_index + row * topk;
-    int cnt = 0;
-    for (int j = 0; j < nc; ++j)
-      if (s_rank[j] < n) out[cnt++] = j;
-    for (int e = cnt; e < topk; ++e) out[e] = -1;
-    sel_count[row] = cnt;
+    s_n = n;
   }
+  __syncthreads();
+  // The selected cubes (rank < n) in ascending index: each chunk of blockDim.x cubes is
+  // compacted by warp ballots and the counts of the warps before.
+  const int n = s_n, lane = tid & 31, warp = tid >> 5, warps = blockDim.x / 32;
+  int32_t* out = sel_index + row * topk;
+  int base = 0;
+  for (int j0 = 0; j0 < nc; j0 += blockDim.x) {
+    const int j = j0 + tid;
+    const bool sel = j < nc && s_rank[j] < n;
+    const unsigned bits = __ballot_sync(0xffffffffu, sel);
+    if (lane == 0) s_warp[warp] = __popc(bits);
+    __syncthreads();
+    int off = base, total = 0;
+    for (int w = 0; w < warps; ++w) {
+      off += w < warp ? s_warp[w] : 0;
+      total += s_warp[w];
+    }
+    if (sel) out[off + __popc(bits & ((1u << lane) - 1u))] = j;
+    __syncthreads();
+    base += total;
+  }
+  for (int e = base + tid; e < topk; e += blockDim.x) out[e] = -1;
+  if (tid == 0) sel_count[row] = base;
 }
 
 // Transposed selection mask: mask_t[b, h, kv, qc] = 1 for every selected (qc, kv); the
@@ -419,6 +441,7 @@ __global__ void __launch_bounds__(kCoarseThreads) coarse_dscores_kernel(const fl
     const float* p = prow + static_cast<int64_t>(tid) * nc;
     const float* dp = drow + static_cast<int64_t>(tid) * nc;
     float acc = 0.0f;
+#pragma unroll 8
     for (int j = 0; j < nc; ++j) acc = __fadd_rn(acc, __fmul_rn(p[j], dp[j]));
     s_dot[tid] = acc;
   }
@@ -434,22 +457,33 @@ __global__ void __launch_bounds__(kCoarseThreads) coarse_dscores_kernel(const fl
 // divided by the cube's token count (what each of its tokens receives):
 // dq_c[c] = sum_j ds[c][j] k_c[j] / n_c; dk_c[c] = sum_i ds[i][c] q_c[i] / n_c;
 // dv_c[c] = sum_i probs[i][c] d_outc[i] / n_c.
-__global__ void coarse_dqkv_kernel(const float* dscores, const float* probs, const float* q_c, const float* k_c,
-                                   const float* d_outc, const int32_t* cube_tokens, float* dq_c, float* dk_c,
-                                   float* dv_c, int H, int nc) {
+// The block first stages row c of ds and column c of ds and probs in shared memory
+// (3 * nc floats, loaded in parallel; the column reads are strided).
+__global__ void __launch_bounds__(kD) coarse_dqkv_kernel(const float* dscores, const float* probs, const float* q_c,
+                                                         const float* k_c, const float* d_outc,
+                                                         const int32_t* cube_tokens, float* dq_c, float* dk_c,
+                                                         float* dv_c, int H, int nc) {
+  extern __shared__ float s_vec[];  // [3][nc]: ds[c][j], ds[j][c], probs[j][c]
   const int cidx = blockIdx.x, h = blockIdx.y, b = blockIdx.z, d = threadIdx.x;
   const int64_t bh = static_cast<int64_t>(b) * H + h;
   const float* ds = dscores + bh * nc * nc;
   const float* pr = probs + bh * nc * nc;
+  for (int j = d; j < nc; j += kD) {
+    s_vec[j] = ds[static_cast<int64_t>(cidx) * nc + j];
+    s_vec[nc + j] = ds[static_cast<int64_t>(j) * nc + cidx];
+    s_vec[2 * nc + j] = pr[static_cast<int64_t>(j) * nc + cidx];
+  }
+  __syncthreads();
   const float* qb = q_c + bh * nc * kD + d;
   const float* kb = k_c + bh * nc * kD + d;
   const float* gb = d_outc + bh * nc * kD + d;
   float aq = 0.0f, ak = 0.0f, av = 0.0f;
+#pragma unroll 4
   for (int j = 0; j < nc; ++j) {
     const int64_t jr = static_cast<int64_t>(j) * kD;
-    aq = __fadd_rn(aq, __fmul_rn(ds[static_cast<int64_t>(cidx) * nc + j], kb[jr]));
-    ak = __fadd_rn(ak, __fmul_rn(ds[static_cast<int64_t>(j) * nc + cidx], qb[jr]));
-    av = __fadd_rn(av, __fmul_rn(pr[static_cast<int64_t>(j) * nc + cidx], gb[jr]));
+    aq = __fadd_rn(aq, __fmul_rn(s_vec[j], kb[jr]));
+    ak = __fadd_rn(ak, __fmul_rn(s_vec[nc + j], qb[jr]));
+    av = __fadd_rn(av, __fmul_rn(s_vec[2 * nc + j], gb[jr]));
   }
   const int64_t o = (bh * nc + cidx) * kD + d;
   const float cnt = static_cast<float>(cube_tokens[cidx]);
@@ -786,8 +820,11 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
     coarse_dscores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, 0, stream>>>(d_outc, a.v_c, a.probs, dscores, H,
                                                                                 nc, resolved_scale(c));
     VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dscores_kernel");
-    coarse_dqkv_kernel<<<cube_grid, kD, 0, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc, c.tiling.cube_tokens,
-                                                     dq_c, dk_c, dv_c, H, nc);
+    const size_t vec_smem = static_cast<size_t>(nc) * 3 * sizeof(float);
+    VQAD_LAUNCH_CHECK(vec_smem <= 48 * 1024, kBackwardOp, detail::shape_str(c), "coarse gradients: expected at most "
+                      "48 KiB of shared memory, found ", vec_smem, " bytes for ", nc, " cubes");
+    coarse_dqkv_kernel<<<cube_grid, kD, vec_smem, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc,
+                                                            c.tiling.cube_tokens, dq_c, dk_c, dv_c, H, nc);
     VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dqkv_kernel");
   }
 
