@@ -1,5 +1,6 @@
 // VSA pipeline (numerics/vsa_ref.h steps 1-5 and the backward): tiling gather with the
-// NVFP4 fake quantization of the fine-stage operands, coarse pooling, coarse scores /
+// NVFP4 fake quantization of the fine-stage operands and, in the same pass, the coarse
+// pooling (tile_pool_kernel; the backward's dO tiling with d out_c), coarse scores /
 // softmax / out_c, top-k / top-p selection, the inverse lists, the gated combine and
 // the coarse backward, plus the orchestration of vsa_forward / vsa_backward.
 //
