@@ -5,7 +5,7 @@
 // the benchmark shapes. CMake target vqad_pg_attn_fwd (-DVQAD_PLAYGROUND=ON), or one
 // nvcc command on a GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -I. \
-//     bench/playground/attn_fwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_fwd_sm90.cu \
+//     bench/playground/attn_fwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_fwd_sm90.cu src/vqad/kernels/common/tma.cu \
 //     src/vqad/kernels/attention/fake_quant_qkv.cu src/vqad/kernels/common/device.cu \
 //     src/vqad/numerics/attention_qat_ref.cpp src/vqad/numerics/nvfp4.cpp -o /tmp/attn_fwd_pg
 //   /tmp/attn_fwd_pg [check] [time]

@@ -18,6 +18,7 @@
 
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/nvfp4_math.h"
+#include "vqad/kernels/common/sm90_ptx.cuh"
 
 namespace {
 
@@ -31,6 +32,7 @@ enum Form : int {
   kDiv6Special,   // div6(+inf), div6(NaN): NaN
   kE2m1Rne,       // e2m1_rne_magnitude(x) vs e2m1_round_magnitude(x)
   kE2m1Nonneg,    // e2m1_round_nonneg(x) vs e2m1_round_magnitude(x)
+  kE2m1Sat6Bf16,  // sat6_bf16x2 of the bf16 pair of e2m1_round_unsat(x) vs bf16 of e2m1_round_magnitude(x)
   kE2m1CodeByte,  // low byte of e2m1_code_byte(x, 1) vs e2m1_code_magnitude(x)
   kE2m1Code,      // e2m1_magnitude(e2m1_code_magnitude(x)) vs e2m1_round_magnitude(x)
   kE2m1Chain,     // e2m1_round_magnitude(x) vs the reference's comparison chain (independent)
@@ -54,6 +56,7 @@ constexpr const char* kFormNames[kForms] = {
     "div6(+inf / NaN) is NaN",
     "e2m1_rne_magnitude vs e2m1_round_magnitude",
     "e2m1_round_nonneg vs e2m1_round_magnitude",
+    "sat6_bf16x2(bf16 of e2m1_round_unsat) vs bf16 of e2m1_round_magnitude",
     "e2m1_code_byte vs e2m1_code_magnitude",
     "e2m1_magnitude(e2m1_code_magnitude) vs e2m1_round_magnitude",
     "e2m1_round_magnitude vs comparison chain",
@@ -162,6 +165,14 @@ __global__ void every_nonneg_float_kernel(Results* r) {
     t.check(rne == mb, kE2m1Rne, u, rne, mb, r);
     const uint32_t nn = __float_as_uint(kd::e2m1_round_nonneg(x));
     t.check(nn == mb, kE2m1Nonneg, u, nn, mb, r);
+    {
+      // the forward's form: x in the low half, x's neighbour below in the high half
+      const float y = __uint_as_float(u == 0 ? 0u : u - 1u);
+      const uint32_t pair = vqad::kernels::sm90::pack_bf16(kd::e2m1_round_unsat(x), kd::e2m1_round_unsat(y));
+      const uint32_t sat = kd::sat6_bf16x2(pair);
+      const uint32_t want = vqad::kernels::sm90::pack_bf16(m, km::e2m1_round_magnitude(y));
+      t.check(sat == want, kE2m1Sat6Bf16, u, sat, want, r);
+    }
     const uint32_t code = km::e2m1_code_magnitude(x);
     const uint32_t cbyte = kd::e2m1_code_byte(x, 1.0f) & 0xFFu;
     t.check(cbyte == code, kE2m1CodeByte, u, cbyte, code, r);

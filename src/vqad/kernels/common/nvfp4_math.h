@@ -27,6 +27,8 @@
 //                                                                     div6(+inf) and div6(NaN) are NaN.
 //    e2m1_rne_magnitude(a)   e2m1_round_magnitude(a)                  every a >= 0, +inf and NaN -> 6
 //    e2m1_round_nonneg(a)    e2m1_round_magnitude(a)                  every a >= 0, +inf and NaN -> 6
+//    sat6_bf16x2(pack of     the bf16 of e2m1_round_magnitude(a)      every a >= 0, +inf and NaN -> 6
+//     e2m1_round_unsat(a))
 //    e2m1_code_byte(x, inv)  low byte: e2m1_code_magnitude(|x * inv|) every x >= 0 with inv = 1
 //    scale_reciprocal(s)     __fdiv_rn(1, s)                          the 126 positive finite E4M3 values;
 //                                                                     0 and NaN give 0
@@ -37,19 +39,20 @@
 //    e4m3_value(b)           e4m3_decode(b)                           all 256 bytes (0x7F, 0xFF: a NaN)
 //    e4m3x2_values(pair)     {e4m3_decode(low byte), e4m3_decode(high byte)}  all 65536 byte pairs
 //
-//    Users: attention/sm90 (forward: div6, e2m1_rne_magnitude, e4m3_bytes2, e4m3_value;
+//    Users: attention/sm90 (forward: div6, e2m1_round_unsat + sat6_bf16x2, e4m3_bytes2, e4m3_value;
 //    backward: div6, e2m1_round_nonneg, scale_reciprocal, e4m3x2_bytes, e4m3x2_values,
 //    e4m3_value), attention/fake_quant_qkv.cu and vsa/ (e2m1_rne_magnitude,
 //    e4m3_rn_satfinite, div6, e4m3_bytes2, e4m3_value), nvfp4/nvfp4_kernels.cu (e4m3_byte,
 //    e2m1_code_byte), linear/ (e4m3_rn_satfinite), kernels_fp4/ (e4m3_byte, e4m3_value;
 //    its cvt.rn.satfinite.e2m1x2 is sm_100+ and stays there).
 //
-//    Two E2M1 magnitude fast forms exist because the attention kernels were tuned with
-//    each (the choice changes their instruction schedule, not their results):
-//    e2m1_rne_magnitude picks the magic constant with two compares (forward, fake quant,
-//    VSA), e2m1_round_nonneg builds it from a's exponent bits and saturates after the
-//    add (backward). e2m1_round_magnitude of part 1 is the same constant from the
-//    exponent bits of min(a, 6); e2m1_code_byte adds the code offset to that constant.
+//    The E2M1 magnitude fast forms differ in their instructions, not their results:
+//    e2m1_rne_magnitude picks the magic constant with two compares (fake quant, VSA),
+//    e2m1_round_unsat builds it from a's exponent bits with one add-max and leaves the
+//    saturation to its caller: fminf in e2m1_round_nonneg (backward), or min.bf16x2 on
+//    the packed pair (forward: half an instruction per element). e2m1_round_magnitude of
+//    part 1 is the same constant from the exponent bits of min(a, 6); e2m1_code_byte adds
+//    the code offset to that constant.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -307,12 +310,28 @@ __device__ __forceinline__ float e2m1_rne_magnitude(float a) {
   return fminf(__fsub_rn(__fadd_rn(a, magic), magic), 6.0f);
 }
 
-// The same rounding with 2^(22 + max(E, 0)) (E = exponent of a) as the constant; values
-// >= 6 round to at least 6 in their own binade and the final min saturates them.
-__device__ __forceinline__ float e2m1_round_nonneg(float a) {
-  const int eb = max(__float_as_int(a) & 0x7f800000, 0x3f800000);
-  const float magic = __int_as_float(eb + (22 << 23));
-  return fminf((a + magic) - magic, 6.0f);
+// The nearest E2M1 grid value of a >= 0 without the saturation: 2^(22 + max(E, 0))
+// (E = exponent of a) as the constant, formed with one add-max (VIADDMNMX on sm_90).
+// Exponents past 2^105 overflow the sum to a negative int and take 2^22 instead; those
+// a, +inf and NaN round to themselves (or NaN), all above 6, so every saturating user
+// below gives 6 for them.
+__device__ __forceinline__ float e2m1_round_unsat(float a) {
+  const int e = __float_as_int(a) & 0x7f800000;
+  const float magic = __int_as_float(__viaddmax_s32(e, 22 << 23, 0x4A800000));  // 0x4A800000 = 2^22
+  return __fsub_rn(__fadd_rn(a, magic), magic);
+}
+
+// e2m1_round_unsat saturated at 6: values >= 6 round to at least 6 in their own binade.
+__device__ __forceinline__ float e2m1_round_nonneg(float a) { return fminf(e2m1_round_unsat(a), 6.0f); }
+
+// min(x, 6) of two bf16 values (a NaN gives 6: min returns the other operand). With
+// e2m1_round_unsat (exact in bf16: at most two significant bits, or +inf / NaN),
+// sat6_bf16x2(pack_bf16(e2m1_round_unsat(x), e2m1_round_unsat(y))) is the bf16 pair of
+// e2m1_round_magnitude(x), e2m1_round_magnitude(y).
+__device__ __forceinline__ uint32_t sat6_bf16x2(uint32_t x) {
+  uint32_t y;
+  asm("min.bf16x2 %0, %1, %2;" : "=r"(y) : "r"(x), "r"(0x40C040C0u));  // bf16 6.0 twice
+  return y;
 }
 
 // e2m1_code_magnitude(|x * inv|) in the low byte of the result (bits 8.. are not

@@ -1,29 +1,36 @@
 // ATTN_QAT_TRAIN forward (spec/attention.md): one-pass flash attention over the
 // fake-quantized Q^, K^, V^ with P fake-quantized per 16 keys in registers.
 //
-// Tiling: a CTA owns 128 query rows of one (batch, head): two warpgroups of 64 rows,
-// 16 rows per warp. K and V tiles of BLOCK_N = 128 keys stream through shared memory
-// with cp.async (three stages on sm_90a, two otherwise), in the 128-byte-swizzled
-// layout that both wgmma descriptors and conflict-free ldmatrix accept. On sm_90a,
-// S = Q^ K^T is a chain of wgmma m64n128k16 per warpgroup with both operands in shared
-// memory, and both P.V products are wgmmas with P^ / bf16(P) as the register A operand
-// and V read MN-major from shared memory; they run asynchronously while the next
-// 16-key groups' exp2 and quantization execute, and the bf16(P) row sums are a third
-// asynchronous wgmma (m64n8k16 against a block of ones). The two warpgroups are
-// skewed by half a KV tile (see kSkewGroups): the second one finishes the previous tile's
-// keys 64-127 after each barrier, so one warpgroup's softmax and quantization run
-// while the other's Q^ K^T occupies the tensor cores; both run the same loop body
-// (only where each waits at the barrier differs). Other targets compile the same
-// kernel on mma.sync m16n8k16 + ldmatrix (bf16 in, fp32 accumulate either way) but
-// the launcher accepts only sm_90 devices until that build is validated on its
-// hardware.
+// Warp-specialised (sm_90a). A CTA owns 128 query rows of one (batch, head) and has three
+// warpgroups:
+//   - a producer: one thread issues every load as a TMA copy (tensor maps over the BLHD
+//     views, kernels/common/tma.h) into mbarrier-guarded stages: Q once, then K and V
+//     tiles of BLOCK_N = 128 keys, each with its own full / empty barrier pair, three
+//     stages deep. Its warpgroup gives its registers back (setmaxnreg).
+//   - two consumers of 64 query rows each, with 240 registers per thread: S = Q^ K^T as a
+//     chain of wgmma m64n128k16 with both operands in shared memory; the running max; then
+//     P and P^ per 16-key group in registers, each group's two P.V products (P^ and
+//     bf16(P) as the register A operand, V read MN-major) and its bf16(P) row sums (a
+//     wgmma m64n8k16 against a block of ones) queued asynchronously while the next
+//     group's exp2 and quantization run.
+// The consumers meet no CTA-wide barrier: each waits only for its own data and releases
+// each stage when its last read of it has finished. They start half a tile apart (the
+// second waits once, at the start, until the first has queued its first kSkewGroups
+// groups) and then run free, so one's softmax and P quantization overlap the other's
+// tensor-core work. Without P quantization (BF16 mode) the accumulators leave room for
+// the next tile's Q^ K^T to be queued behind the current P.V products (kLookahead).
+// docs/performance.md has the measured schedules.
 //
-// Register layout that makes P quantization cheap: in the m16n8 (and wgmma) S
-// accumulator a quad of 4 lanes holds one row's 8 keys of an n8 slice (2 each), so two
-// adjacent slices give the quad a row's whole 16-key group; the group amax is a max
-// over 4 local values and two quad shuffles. The same registers, packed to bf16, are
-// the A fragment of the P.V product for that k16 step (the FlashAttention identity),
-// so P and P^ never touch shared memory.
+// The tiles are stored as [2][ROWS][64] bf16: the two 64-channel halves of a 128-channel
+// row are separate [ROWS][128 B] blocks in the 128-byte-swizzled K-major layout that TMA
+// writes (SWIZZLE_128B) and the wgmma descriptors read (8-row atoms of 1024 B).
+//
+// Register layout that makes P quantization cheap: in the wgmma S accumulator a quad of 4
+// lanes holds one row's 8 keys of an n8 slice (2 each), so two adjacent slices give the
+// quad a row's whole 16-key group; the group amax is a max over 4 local values and two
+// quad shuffles. The same registers, packed to bf16, are the A fragment of the P.V
+// product for that k16 step (the FlashAttention identity), so P and P^ never touch shared
+// memory.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -35,68 +42,51 @@
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/nvfp4_math.h"
 #include "vqad/kernels/common/sm90_ptx.cuh"
+#include "vqad/kernels/common/tma.h"
 
 namespace vqad::kernels::attention {
 namespace {
 
 constexpr int kD = kAttnQatHeadDim;
 constexpr int kBM = kAttnQatBlockM;
-constexpr int kWarps = kBM / 16;
-constexpr int kThreads = kWarps * 32;
-// 8 warps of ~255 registers fill the register file: one 128-row CTA or two 64-row
-// CTAs per SM (independent CTAs drift out of phase, overlapping one's softmax with
-// the other's MMAs).
-constexpr int kCtasPerSm = 128 / kBM;
-static_assert(kBM == 64 || kBM == 128, "BLOCK_M must be 64 or 128");
-constexpr int kChunksPerRow = kD * 2 / 16;  // 16-byte chunks of one 128-channel bf16 row
+constexpr int kBN = kAttnQatBlockN;
+static_assert(kD == 128 && kBM == 128 && kBN == 128, "the forward kernel: 128 x 128 tiles, head dim 128");
 
 // The kernel's parameters: AttnQatFwdParams with each view's pointer and strides apart,
 // filled by the launcher after its checks.
 struct FwdKernelParams {
-  const void* q;
-  const void* k;
-  const void* v;
-  BlhdStrides q_stride, k_stride, v_stride;
   void* o;
   void* o_hp;  // may be null
   BlhdStrides o_stride, o_hp_stride;
   float* m;  // may be null
   float* l;  // may be null
-  int batch, heads, len_q, len_kv, head_dim;
-  float softmax_scale;
-  bool quant_p;
+  int batch, heads, len_q, len_kv;
 };
 
-// Schedule of the wgmma path (sm_90a), as named constants: the second warpgroup runs
-// half a KV tile behind the first: after each barrier it finishes the P.V products of
-// keys 64-127 of the previous tile before its own Q^ K^T, so one warpgroup's softmax
-// and P quantization overlap the other's tensor-core work instead of both waiting for
-// Q^ K^T at the same time. K/V are triple buffered (V of the previous tile stays
-// resident). Both warpgroups run one loop body (4.80 vs 5.04 ms at (1,3,31200) on an
-// H200 for one loop per warpgroup, which stalls on instruction fetch); the row sums
-// of bf16(P) are an asynchronous wgmma m64n8k16 of the P fragments against a tile of
-// ones, queued with the P.V products; P^ = e2m1(P / S) * S takes its final product in
-// bf16x2 (exact: at most 6 significant bits). docs/performance.md has the measured
-// alternatives.
-constexpr int kStages = 3;
-// 16-key groups the second warpgroup computes before the barrier (the rest after it).
+// Schedule (named constants; docs/performance.md has the measured alternatives).
+constexpr int kStages = 3;               // K and V stages
+constexpr int kThreads = 384;            // producer warpgroup + two consumer warpgroups
+constexpr int kConsumerWarps = 8;
+constexpr int kProducerRegs = 24;        // setmaxnreg: 128 x 24 + 256 x 240 <= 64K
+constexpr int kConsumerRegs = 240;
+// 16-key groups the first consumer queues before the second one starts.
 constexpr int kSkewGroups = 4;
-static_assert(kSkewGroups > 0 && kSkewGroups < kAttnQatBlockN / 16, "skew: 1 to 7 groups before the barrier");
+static_assert(kSkewGroups > 0 && kSkewGroups < kBN / 16, "skew: 1 to 7 groups");
+constexpr int kStartBarrier = 1;         // named barrier: consumer 1 may start
+constexpr uint32_t kTileBytes = 128 * kD * 2;  // one Q, K or V tile (128 rows)
+// (S, RN(1/S)) for every E4M3 byte: a shared-memory lookup replaces the IEEE reciprocal
+// routine per 16-key group. Byte 0 gives (0, inf), the zero block.
+constexpr int kScaleTableBytes = 128 * 8;
+// bf16 ones for the row-sum wgmma: the 16 x 8 B operand's two core matrices.
+constexpr int kOnesBytes = 256;
+constexpr int kBarriers = 1 + 4 * kStages;  // Q; full K, full V, empty K, empty V per stage
+constexpr int kSmemBytes =
+    static_cast<int>((1 + 2 * kStages) * kTileBytes) + kScaleTableBytes + kOnesBytes + 8 * kBarriers + 1024;
 
 using sm90::smem_addr;
 
-// Shared-memory tile layout, [2][ROWS][64] bf16: the two 64-channel halves of a
-// 128-channel row are stored as separate [ROWS][128 B] blocks, and inside a block the
-// 16-byte chunk index is XORed with row % 8. This is the 128-byte-swizzled K-major
-// layout wgmma reads through a descriptor (8-row atoms of 1024 B), and it keeps the
-// 8 row addresses of every ldmatrix in 8 distinct bank groups.
-template <int ROWS>
-__device__ __forceinline__ uint32_t swz(int row, int chunk) {
-  return static_cast<uint32_t>((chunk >> 3) * ROWS * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) * 16));
-}
-
-// wgmma exists only in the arch-specific sm_90a target; other targets (sm_100a,
-// sm_120a builds) compile the mma.sync loop of the same kernel.
+// wgmma exists only in the arch-specific sm_90a target; other targets compile a kernel
+// that traps (the launcher accepts only sm_90 devices).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define VQAD_FWD_SM90A 1
 #else
@@ -112,7 +102,7 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
          (1ull << 62);
 }
 
-using sm90::fence_proxy_async;  // cp.async writes -> the async proxy wgmma reads through
+using sm90::fence_proxy_async;
 using sm90::wgmma_commit;
 using sm90::wgmma_fence;
 __device__ __forceinline__ void wgmma_wait0() { sm90::wgmma_wait<0>(); }
@@ -206,6 +196,7 @@ __device__ __forceinline__ uint64_t wgmma_desc_plain(uint32_t addr) {
          (static_cast<uint64_t>(256 >> 4) << 32);
 }
 
+
 // Descriptor of a [2][ROWS][64] tile read MN-major (see wgmma_m64n128k16_rs).
 template <int ROWS>
 __device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t addr) {
@@ -214,28 +205,13 @@ __device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t addr) {
 }
 #endif  // VQAD_FWD_SM90A
 
-using sm90::cp_async16;
-using sm90::cp_async_commit;
-using sm90::cp_async_wait;
 using sm90::fast_exp2;
-using sm90::ldmatrix_x4;
-using sm90::ldmatrix_x4_trans;
 using sm90::pack_bf16;
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  sm90::mma_bf16_m16n8k16(c, a, b0, b1);
-}
-
 using nvfp4_device::div6;
-
-// (S, RN(1/S)) for every E4M3 byte: a shared-memory lookup replaces the IEEE
-// reciprocal routine per 16-key group. Byte 0 gives (0, inf), the zero block.
-constexpr int kScaleTableBytes = 128 * 8;
-// bf16 ones for the row-sum wgmma: the 16 x 8 B operand's two core matrices.
-constexpr int kOnesBytes = 256;
-
-using nvfp4_device::e2m1_rne_magnitude;  // nearest E2M1 magnitude, ties to even, saturating at 6
+using nvfp4_device::e2m1_round_unsat;  // nearest E2M1 grid value, ties to even, not saturated
 using nvfp4_device::e4m3_bytes2;
 using nvfp4_device::e4m3_value;
+using nvfp4_device::sat6_bf16x2;
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t r;
@@ -244,16 +220,16 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
 }
 
 // bf16 fragments of P (pa) and P^ (qa) of one 16-key group, from the S accumulator
-// slices sa (keys 0-7) and sb (keys 8-15), and the bf16(P) row sums added into lacc.
-// table[b] = (bf16x2 bits of (S, S), RN(1/S)) of E4M3 byte b. P >= 0 and finite; with
-// amax <= 6 * 2^-10 the scale S rounds to 0: 1/S = inf, every element saturates to 6
-// (0 * inf = NaN included) and 6 * 0 = +0, which is the spec's zero block without a
-// branch. ROWSUM_MMA: the row sums by mma.sync against ones (the mma.sync loop; the
-// wgmma schedule queues them as a wgmma instead).
-template <bool QUANT_P, bool ROWSUM_MMA>
+// slices sa (keys 0-7) and sb (keys 8-15). table[b] = (bf16x2 bits of (S, S), RN(1/S)) of
+// E4M3 byte b. P^ = min(e2m1(P / S), 6) * S: the rounding stays in fp32, the saturation
+// and the product by S run on bf16 pairs (exact: the rounded values are small multiples
+// of a power of two, and the product has at most 6 significant bits). P >= 0 and finite;
+// with amax <= 6 * 2^-10 the scale S rounds to 0: 1/S = inf, every element saturates to
+// 6 (0 * inf = NaN included: min.bf16x2 returns the other operand) and 6 * 0 = +0, which
+// is the spec's zero block without a branch.
+template <bool QUANT_P>
 __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&sb)[4], float c, float neg0,
-                                            float neg1, const float2* table, float (&lacc)[4], uint32_t (&pa)[4],
-                                            uint32_t (&qa)[4]) {
+                                            float neg1, const float2* table, uint32_t (&pa)[4], uint32_t (&qa)[4]) {
   float pr[8];
   pr[0] = fast_exp2(fmaf(sa[0], c, neg0));
   pr[1] = fast_exp2(fmaf(sa[1], c, neg0));
@@ -267,10 +243,6 @@ __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&
   pa[1] = pack_bf16(pr[4], pr[5]);
   pa[2] = pack_bf16(pr[2], pr[3]);
   pa[3] = pack_bf16(pr[6], pr[7]);
-  if constexpr (ROWSUM_MMA) {
-    const uint32_t ones = 0x3F803F80u;  // two bf16 1.0
-    mma_bf16(lacc, pa, ones, ones);
-  }
   if constexpr (QUANT_P) {
     float am0 = fmaxf(fmaxf(pr[0], pr[1]), fmaxf(pr[2], pr[3]));
     float am1 = fmaxf(fmaxf(pr[4], pr[5]), fmaxf(pr[6], pr[7]));
@@ -282,10 +254,13 @@ __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&
     const float2 s0 = table[sbytes & 0x7F];
     const float2 s1 = table[(sbytes >> 8) & 0x7F];
     const uint32_t S0 = __float_as_uint(s0.x), S1 = __float_as_uint(s1.x);
-    qa[0] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[0] * s0.y), e2m1_rne_magnitude(pr[1] * s0.y)), S0);
-    qa[1] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[4] * s1.y), e2m1_rne_magnitude(pr[5] * s1.y)), S1);
-    qa[2] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[2] * s0.y), e2m1_rne_magnitude(pr[3] * s0.y)), S0);
-    qa[3] = mul_bf16x2(pack_bf16(e2m1_rne_magnitude(pr[6] * s1.y), e2m1_rne_magnitude(pr[7] * s1.y)), S1);
+    auto q2 = [](float x, float y, float inv, uint32_t S) {
+      return mul_bf16x2(sat6_bf16x2(pack_bf16(e2m1_round_unsat(x * inv), e2m1_round_unsat(y * inv))), S);
+    };
+    qa[0] = q2(pr[0], pr[1], s0.y, S0);
+    qa[1] = q2(pr[4], pr[5], s1.y, S1);
+    qa[2] = q2(pr[2], pr[3], s0.y, S0);
+    qa[3] = q2(pr[6], pr[7], s1.y, S1);
   } else {
 #pragma unroll
     for (int e = 0; e < 4; ++e) qa[e] = pa[e];
@@ -294,24 +269,24 @@ __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&
 
 #if VQAD_FWD_SM90A
 // S = Q^ K^T of one warpgroup (64 rows) against a whole K tile: 8 k-steps over the
-// head dim, the first overwriting S; waited for before returning.
-template <int BN>
+// head dim, the first overwriting S; WAIT: waited for before returning.
+template <bool WAIT>
 __device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uint32_t sK) {
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
     const uint32_t koff = (kk & 3) * 32;
     wgmma_ss_n128<0>(s, wgmma_desc(a_base + (kk >> 2) * kBM * 128 + koff),
-                     wgmma_desc(sK + (kk >> 2) * BN * 128 + koff), kk > 0 ? 1 : 0);
+                     wgmma_desc(sK + (kk >> 2) * kBN * 128 + koff), kk > 0 ? 1 : 0);
   }
   wgmma_commit();
-  wgmma_wait0();
+  if constexpr (WAIT) wgmma_wait0();
 }
 
 // P, P^ of the 16-key groups [KS0, KS1) of S and their P.V and row-sum wgmmas
 // (asynchronous: the tensor cores work on one group while the next group's exp2 and
 // quantization run).
-template <int KS0, int KS1, bool QUANT_P, int BN>
+template <int KS0, int KS1, bool QUANT_P>
 __device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[16][4], float (&acch)[16][4],
                                           float (&lacc)[4], const float (&m_run)[2], float c, uint32_t sV,
                                           const float2* table, uint64_t ones_desc) {
@@ -319,9 +294,9 @@ __device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[
 #pragma unroll
   for (int ks = KS0; ks < KS1; ++ks) {
     uint32_t pa[4], qa[4];
-    p_fragments<QUANT_P, false>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, table, lacc, pa, qa);
+    p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, table, pa, qa);
     wgmma_fence();
-    const uint64_t dv = wgmma_desc_mn<BN>(sV + ks * 16 * 128);
+    const uint64_t dv = wgmma_desc_mn<kBN>(sV + ks * 16 * 128);
     wgmma_m64n128k16_rs(acc, qa, dv);
     if constexpr (QUANT_P) wgmma_m64n128k16_rs(acch, pa, dv);
     wgmma_m64n8k16_rs(lacc, pa, ones_desc);
@@ -330,65 +305,29 @@ __device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[
 }
 #endif
 
-struct Tile {
-  const __nv_bfloat16* base;  // element (b, 0, h, 0)
-  int64_t stride_l;
-  int len;
-};
-
-// Copies rows [row0, row0 + ROWS) x 128 channels to a swizzled smem tile; rows
-// past `len` are zero-filled, so masked keys never feed NaN or garbage into P.V.
-template <int ROWS>
-__device__ __forceinline__ void load_tile(uint32_t smem, const Tile& t, int row0, int tid) {
-  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  static_assert(ROWS % kRowsPerPass == 0, "tile not divisible");
-  int64_t stride = t.stride_l;
-  // Hides the stride's loop invariance: otherwise the compiler keeps one 64-bit
-  // address per chunk live across the whole KV loop and spills.
-  asm volatile("" : "+l"(stride));
-  const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
-  const __nv_bfloat16* src = t.base + static_cast<int64_t>(row0 + r0) * stride + c * 8;
-  const uint32_t dst = smem + swz<ROWS>(r0, c);  // (r0 + 16 i) % 8 == r0 % 8: same swizzle every pass
-#pragma unroll
-  for (int i = 0; i < ROWS / kRowsPerPass; ++i) {
-    const bool valid = row0 + r0 + i * kRowsPerPass < t.len;
-    cp_async16(dst + i * kRowsPerPass * 128, valid ? src : t.base, valid);
-    src += kRowsPerPass * stride;
-  }
-}
-
-
-// KV-source policies of the kernel: where tile j's keys come from and which of them
-// are masked. Each thread calls load(j) for j = 0, 1, 2, ... in order.
+// KV-source policies: which rows tile j's keys come from (the producer's TMA boxes) and
+// which of them are masked (the consumers).
 //
-// DenseKv: keys [j * BN, (j + 1) * BN) of the contiguous K / V; keys past len_kv
-// (last tile only) are zero-filled and masked. This is the dense ATTN_QAT_TRAIN path;
-// inlined it is exactly the code the kernel had before the policy existed.
+// DenseKv: keys [j * BN, (j + 1) * BN) of K / V; keys past len_kv (last tile only)
+// arrive as zeros (TMA) and are masked.
 struct DenseKv {
-  static constexpr bool kCanIdle = false;  // every warpgroup computes its rows
-  Tile tk, tv;
+  static constexpr bool kCanIdle = false;
+  static constexpr int kBoxRows = kBN;  // one TMA box per 64-channel half
   int len;
-  __device__ __forceinline__ static DenseKv make(const FwdKernelParams& p, const AttnQatFwdVisit&, int b, int h,
-                                                 int) {
-    using bf = __nv_bfloat16;
-    return DenseKv{{static_cast<const bf*>(p.k) + b * p.k_stride.b + h * p.k_stride.h, p.k_stride.l, p.len_kv},
-                   {static_cast<const bf*>(p.v) + b * p.v_stride.b + h * p.v_stride.h, p.v_stride.l, p.len_kv},
-                   p.len_kv};
+  __device__ __forceinline__ static DenseKv make(const FwdKernelParams& p, const AttnQatFwdVisit&, int) {
+    return DenseKv{p.len_kv};
   }
-  template <int BN>
-  __device__ __forceinline__ int n_tiles() const {
-    return (len + BN - 1) / BN;
+  __device__ __forceinline__ int n_tiles() const { return (len + kBN - 1) / kBN; }
+  __device__ __forceinline__ void load(const void* map, uint32_t dst, uint32_t bar, int j, int h, int b) const {
+    sm90::tma_load_4d(dst, map, bar, 0, j * kBN, h, b);
+    sm90::tma_load_4d(dst + kBN * 128, map, bar, 64, j * kBN, h, b);
   }
-  template <int BN>
-  __device__ __forceinline__ void load(uint32_t dst, int j, int tid) {
-    load_tile<BN>(dst, tk, j * BN, tid);
-    load_tile<BN>(dst + BN * kD * 2, tv, j * BN, tid);
-  }
+  __device__ __forceinline__ bool idle(int) const { return false; }
   __device__ __forceinline__ int mask_info(int j) const { return j; }
-  template <int BN, int NT>
+  template <int NT>
   __device__ __forceinline__ void mask(float (&s)[NT][4], int j, int t) const {
-    if ((j + 1) * BN > len) {
-      const int key_base = j * BN + 2 * t;
+    if ((j + 1) * kBN > len) {
+      const int key_base = j * kBN + 2 * t;
 #pragma unroll
       for (int i = 0; i < NT; ++i)
 #pragma unroll
@@ -399,82 +338,45 @@ struct DenseKv {
 };
 
 // VisitKv (attn_qat_fwd_visit.h): tile j = visit entries 2j and 2j + 1 of this query
-// tile's list, each a 64-row block gathered into one half of the 128-key tile (cp.async,
-// the same swizzled layout as load_tile); rows at and past a block's valid count, and
-// the whole second half when 2j + 1 is past the list, are zero-filled and masked. The
-// entries of the next tile to load are prefetched into registers one load ahead, so
-// the cp.async issue after each barrier does not wait on the list read.
+// tile's list, each a 64-row block loaded by TMA into one half of the 128-key tile (rows
+// 0-63, 64-127 of both channel halves). Rows at and past a block's valid count are
+// masked; a missing second entry (2j + 1 past the list) loads rows at len_kv, which TMA
+// fills with zeros, and is masked whole.
 struct VisitKv {
   static constexpr bool kCanIdle = true;  // see idle()
-  const __nv_bfloat16* kb;
-  const __nv_bfloat16* vb;
-  int64_t ks, vs;          // row strides of K and V
+  static constexpr int kBoxRows = kAttnQatVisitBlockRows;
   const int32_t* entries;  // this query tile's list
   int count;
-  int pf0, pf1;            // entries of the next tile load() issues
-  const int32_t* q_rows;   // valid rows of this query tile's two 64-row blocks, or null
+  const int32_t* q_rows;  // valid rows of this query tile's two 64-row blocks, or null
+  int len;
   __device__ __forceinline__ int entry(int i) const { return i < count ? __ldg(entries + i) : 0; }
-  __device__ __forceinline__ static VisitKv make(const FwdKernelParams& p, const AttnQatFwdVisit& v, int b, int h,
-                                                 int m_block) {
-    using bf = __nv_bfloat16;
-    const int64_t row = (static_cast<int64_t>(b) * p.heads + h) * gridDim.x + m_block;
-    VisitKv kv{static_cast<const bf*>(p.k) + b * p.k_stride.b + h * p.k_stride.h,
-               static_cast<const bf*>(p.v) + b * p.v_stride.b + h * p.v_stride.h,
-               p.k_stride.l,
-               p.v_stride.l,
-               v.entries + row * v.stride,
-               __ldg(v.counts + row),
-               0,
-               0,
-               v.q_block_rows != nullptr ? v.q_block_rows + 2 * m_block : nullptr};
-    kv.pf0 = kv.entry(0);
-    kv.pf1 = kv.entry(1);
-    return kv;
+  __device__ __forceinline__ static VisitKv make(const FwdKernelParams& p, const AttnQatFwdVisit& v, int m_block) {
+    const int64_t row = (static_cast<int64_t>(blockIdx.z) * p.heads + blockIdx.y) * gridDim.x + m_block;
+    return VisitKv{v.entries + row * v.stride, __ldg(v.counts + row),
+                   v.q_block_rows != nullptr ? v.q_block_rows + 2 * m_block : nullptr, p.len_kv};
   }
-  template <int BN>
-  __device__ __forceinline__ int n_tiles() const {
-    return (count + 1) / 2;
-  }
-  // Warpgroup wg's 64 query rows are all padding (a VSA query cube of one physical
-  // block): it skips its MMAs (still loading its share of every tile and meeting every
-  // barrier) and stores nothing.
-  __device__ __forceinline__ bool idle(int wg) const { return q_rows != nullptr && __ldg(q_rows + wg) == 0; }
-  // One 64-row block (entry e; valid rows e & 127, zero-filled past them) into rows
-  // [half * 64, half * 64 + 64) of a [2][BN][64] swizzled tile.
-  template <int BN>
-  __device__ __forceinline__ static void load_block(uint32_t smem, const __nv_bfloat16* base, int64_t stride, int e,
-                                                    int half, int tid) {
-    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-    static_assert(kAttnQatVisitBlockRows % kRowsPerPass == 0, "block not divisible");
-    asm volatile("" : "+l"(stride));  // as load_tile: keeps the addresses out of the loop's live set
-    const int r0 = tid / kChunksPerRow, c = tid % kChunksPerRow;
-    const int blk = e >> kAttnQatVisitCountBits, n = e & ((1 << kAttnQatVisitCountBits) - 1);
-    const __nv_bfloat16* src = base + (static_cast<int64_t>(blk) * kAttnQatVisitBlockRows + r0) * stride + c * 8;
-    const uint32_t dst = smem + swz<BN>(half * kAttnQatVisitBlockRows + r0, c);
+  // At least one tile (an empty list, outside the contract, then reads zeros, fully
+  // masked, instead of leaving the consumers waiting).
+  __device__ __forceinline__ int n_tiles() const { return max(1, (count + 1) / 2); }
+  __device__ __forceinline__ void load(const void* map, uint32_t dst, uint32_t bar, int j, int h, int b) const {
+    static_assert(kBN == kAttnQatVisitTileBlocks * kAttnQatVisitBlockRows, "visit tiles are two 64-row blocks");
 #pragma unroll
-    for (int i = 0; i < kAttnQatVisitBlockRows / kRowsPerPass; ++i) {
-      const bool valid = r0 + i * kRowsPerPass < n;
-      cp_async16(dst + i * kRowsPerPass * 128, valid ? src : base, valid);
-      src += kRowsPerPass * stride;
+    for (int slot = 0; slot < kAttnQatVisitTileBlocks; ++slot) {
+      const int i = 2 * j + slot;
+      const int row = i < count ? (__ldg(entries + i) >> kAttnQatVisitCountBits) * kAttnQatVisitBlockRows : len;
+      const uint32_t d = dst + slot * kAttnQatVisitBlockRows * 128;
+      sm90::tma_load_4d(d, map, bar, 0, row, h, b);
+      sm90::tma_load_4d(d + kBN * 128, map, bar, 64, row, h, b);
     }
   }
-  template <int BN>
-  __device__ __forceinline__ void load(uint32_t dst, int j, int tid) {
-    static_assert(BN == kAttnQatVisitTileBlocks * kAttnQatVisitBlockRows, "visit tiles are two 64-row blocks");
-    const int e0 = pf0, e1 = pf1;
-    load_block<BN>(dst, kb, ks, e0, 0, tid);
-    load_block<BN>(dst, kb, ks, e1, 1, tid);
-    load_block<BN>(dst + BN * kD * 2, vb, vs, e0, 0, tid);
-    load_block<BN>(dst + BN * kD * 2, vb, vs, e1, 1, tid);
-    pf0 = entry(2 * j + 2);
-    pf1 = entry(2 * j + 3);
-  }
-  // Valid keys of tile j's halves, packed (n0 | n1 << 8); read before the Q^ K^T wgmma
-  // (the list row is L1-resident) and used after it.
+  // Warpgroup wg's 64 query rows are all padding (a VSA query cube of one physical
+  // block): it computes and stores nothing (it still releases every stage).
+  __device__ __forceinline__ bool idle(int wg) const { return q_rows != nullptr && __ldg(q_rows + wg) == 0; }
+  // Valid keys of tile j's halves, packed (n0 | n1 << 8).
   __device__ __forceinline__ int mask_info(int j) const {
     return (entry(2 * j) & 127) | ((entry(2 * j + 1) & 127) << 8);
   }
-  template <int BN, int NT>
+  template <int NT>
   __device__ __forceinline__ void mask(float (&s)[NT][4], int info, int t) const {
     const int n0 = info & 255, n1 = info >> 8;
     if (n0 < kAttnQatVisitBlockRows || n1 < kAttnQatVisitBlockRows) {  // uniform per tile
@@ -489,65 +391,114 @@ struct VisitKv {
   }
 };
 
-template <int BN, bool QUANT_P, class KV>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    attn_qat_fwd_kernel(const FwdKernelParams p, float scale_log2, const AttnQatFwdVisit visit) {
-  constexpr int kNT = BN / 8;   // n8 tiles of S per warp
-  constexpr int kKS = BN / 16;  // k16 steps of P.V
-  constexpr int kDT = kD / 8;   // n8 tiles of O
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  // 1024-byte alignment: wgmma's swizzle atoms; also lets the k-step offsets be XORed
-  // into a per-lane base (below).
-  const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sKV0 = sQ + kBM * kD * 2;
-  // (S, 1/S) table after the K/V stages
-  float2* scale_table = reinterpret_cast<float2*>(smem_raw + (sKV0 - smem_addr(smem_raw)) + kStages * 2 * BN * kD * 2);
-  constexpr uint32_t kTileBytes = BN * kD * 2;  // one K or V tile
-  // stage s: K at sKV0 + s * 2 * kTileBytes, V right after it
-
-  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane >> 2, t = lane & 3;
-  const int q0 = m_block * kBM;
-
-  using bf = __nv_bfloat16;
-  const Tile tq{static_cast<const bf*>(p.q) + b * p.q_stride.b + h * p.q_stride.h, p.q_stride.l, p.len_q};
-  KV kv = KV::make(p, visit, b, h, m_block);
-
-  if (QUANT_P && tid < 128) {
-    const float S = e4m3_value(static_cast<uint8_t>(tid));
-    scale_table[tid] = make_float2(__uint_as_float(pack_bf16(S, S)), __frcp_rn(S));
-  }
-  // bf16 ones after the scale table (row-sum wgmma), visible after the first barrier
-  const uint32_t sOnes = smem_addr(scale_table) + kScaleTableBytes;
-  if (tid < kOnesBytes / 4) {
-    reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(scale_table) + kScaleTableBytes)[tid] = 0x3F803F80u;
-  }
+template <bool QUANT_P, class KV>
+__global__ void __launch_bounds__(kThreads, 1)
+    attn_qat_fwd_kernel(const FwdKernelParams p, float scale_log2, const AttnQatFwdVisit visit,
+                        const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                        const __grid_constant__ CUtensorMap tm_v) {
 #if VQAD_FWD_SM90A
-  const uint64_t ones_desc = wgmma_desc_plain(sOnes);
-#else
-  (void)sOnes;
-#endif
-  load_tile<kBM>(sQ, tq, q0, tid);
-  cp_async_commit();
-  kv.template load<BN>(sKV0, 0, tid);
-  cp_async_commit();
+  constexpr int kNT = kBN / 8;   // n8 slices of S per warp
+  constexpr int kKS = kBN / 16;  // 16-key groups
+  constexpr int kDT = kD / 8;    // n8 slices of O
+  // BF16 mode: the next tile's Q^ K^T is queued behind the P.V products (the two P
+  // accumulators of QAT leave no registers for a second S).
+  constexpr bool kLookahead = !QUANT_P;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const uint32_t base = smem_addr(smem_raw);
+  const uint32_t sQ = (base + 1023u) & ~1023u;  // 1024-byte swizzle atoms
+  const uint32_t sK0 = sQ + kTileBytes;           // K stage s at sK0 + s * kTileBytes
+  const uint32_t sV0 = sK0 + kStages * kTileBytes;
+  const uint32_t sTable = sV0 + kStages * kTileBytes;
+  const float2* scale_table = reinterpret_cast<const float2*>(smem_raw + (sTable - base));
+  const uint32_t sOnes = sTable + kScaleTableBytes;
+  const uint32_t sBar = sOnes + kOnesBytes;
+  const uint32_t bar_q = sBar;
+  const auto full_k = [&](int st) { return sBar + 8u * (1 + st); };
+  const auto full_v = [&](int st) { return sBar + 8u * (1 + kStages + st); };
+  const auto empty_k = [&](int st) { return sBar + 8u * (1 + 2 * kStages + st); };
+  const auto empty_v = [&](int st) { return sBar + 8u * (1 + 3 * kStages + st); };
 
-  // ldmatrix.x4 lane roles: lane supplies the row address of matrix lane/8, row lane%8.
-  const int lm = lane >> 3, lr = lane & 7;
-  // A fragment of Q (16 rows x 16 channels): matrices (rows 0-7|8-15) x (k 0-7|8-15),
-  // ordered r0-7/k0-7, r8-15/k0-7, r0-7/k8-15, r8-15/k8-15.
-  // For chunk = 2*kk + c (c in {0,1}) the swizzled offset is
-  // (kk / 4) * ROWS*128 + ((row*128 + ((c ^ lr) * 16)) ^ ((kk % 4) * 32)): one XOR and
-  // an immediate per step on a per-lane base instead of a register per step.
-  const int q_row = warp * 16 + (lm & 1) * 8 + lr;
-  const uint32_t q_lane = sQ + swz<kBM>(q_row, lm >> 1);
-  // B fragments of K for two n8 tiles (16 keys x 16 channels): keys 0-7 k0-7, keys
-  // 0-7 k8-15, keys 8-15 k0-7, keys 8-15 k8-15.
-  const uint32_t k_lane = swz<BN>((lm >> 1) * 8 + lr, lm & 1);
-  // B fragments of V (transposed load) for two n8 tiles of channels: keys 0-7 d0-7,
-  // keys 8-15 d0-7, keys 0-7 d8-15, keys 8-15 d8-15.
-  const uint32_t v_lane = swz<BN>((lm & 1) * 8 + lr, lm >> 1);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // warp-uniform as far as ptxas can see (wgmma under a divergent branch is serialized)
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
+  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int q0 = m_block * kBM;
+  const KV kv = KV::make(p, visit, m_block);
+  const int n_tiles = kv.n_tiles();
+
+  if (tid == 0) {
+    sm90::mbar_init(bar_q, 1);
+    for (int st = 0; st < kStages; ++st) {
+      sm90::mbar_init(full_k(st), 1);
+      sm90::mbar_init(full_v(st), 1);
+      sm90::mbar_init(empty_k(st), kConsumerWarps);
+      sm90::mbar_init(empty_v(st), kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  if (wg == 1) {
+    const int i = tid - 128;
+    if (QUANT_P) {
+      const float S = e4m3_value(static_cast<uint8_t>(i));
+      reinterpret_cast<float2*>(smem_raw + (sTable - base))[i] =
+          make_float2(__uint_as_float(pack_bf16(S, S)), __frcp_rn(S));
+    }
+    if (i < kOnesBytes / 4) reinterpret_cast<uint32_t*>(smem_raw + (sOnes - base))[i] = 0x3F803F80u;
+    fence_proxy_async();  // the ones are read by wgmma through a descriptor
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer: one thread issues every load ----
+    sm90::setmaxnreg_dec<kProducerRegs>();
+    if (warp == 0 && lane == 0) {
+      sm90::tma_prefetch_desc(&tm_q);
+      sm90::tma_prefetch_desc(&tm_k);
+      sm90::tma_prefetch_desc(&tm_v);
+      sm90::mbar_arrive_expect_tx(bar_q, kTileBytes);
+      sm90::tma_load_4d(sQ, &tm_q, bar_q, 0, q0, h, b);
+      sm90::tma_load_4d(sQ + kBM * 128, &tm_q, bar_q, 64, q0, h, b);
+#pragma unroll 1
+      for (int j = 0; j < n_tiles; ++j) {
+        const int st = j % kStages;
+        const uint32_t free_parity = ((j / kStages) & 1) ^ 1;  // the stage's previous use has ended
+        if (j >= kStages) sm90::mbar_wait(empty_k(st), free_parity);
+        sm90::mbar_arrive_expect_tx(full_k(st), kTileBytes);
+        kv.load(&tm_k, sK0 + st * kTileBytes, full_k(st), j, h, b);
+        if (j >= kStages) sm90::mbar_wait(empty_v(st), free_parity);
+        sm90::mbar_arrive_expect_tx(full_v(st), kTileBytes);
+        kv.load(&tm_v, sV0 + st * kTileBytes, full_v(st), j, h, b);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup cw owns query rows [q0 + 64 cw, q0 + 64 cw + 64) ----
+  sm90::setmaxnreg_inc<kConsumerRegs>();
+  const int cw = wg - 1;
+  const int g = lane >> 2, t = lane & 3;
+  const auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(bar);
+  };
+  if (KV::kCanIdle && __shfl_sync(0xffffffffu, kv.idle(cw) ? 1 : 0, 0) != 0) {
+    // Padding rows only: release every stage after it has been filled (an early
+    // arrival would count towards the stage's previous use) and keep the start order.
+    if (cw == 0) sm90::named_barrier_arrive(kStartBarrier, 256);
+    if (cw == 1) sm90::named_barrier_sync(kStartBarrier, 256);
+#pragma unroll 1
+    for (int j = 0; j < n_tiles; ++j) {
+      const int st = j % kStages;
+      const uint32_t parity = (j / kStages) & 1;
+      sm90::mbar_wait(full_k(st), parity);
+      release(empty_k(st));
+      sm90::mbar_wait(full_v(st), parity);
+      release(empty_v(st));
+    }
+    return;
+  }
+  const uint64_t ones_desc = wgmma_desc_plain(sOnes);
+  const uint32_t a_base = sQ + cw * 64 * 128;
 
   float acc[kDT][4];
   float acch[QUANT_P ? kDT : 1][4];
@@ -561,146 +512,36 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acch[i][e] = 0.0f;
   }
+  float (&acch_ref)[16][4] = *reinterpret_cast<float(*)[16][4]>(QUANT_P ? &acch[0][0] : &acc[0][0]);
   float m_run[2] = {-INFINITY, -INFINITY};
   // Row sums of bf16(P) come out of the tensor cores: P times an all-ones n8 tile
   // leaves the row sum in every column ([0] row g, [2] row g + 8), already reduced
   // over the quad and rescaled together with the accumulators.
   float lacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float s[kNT][4];
 
-  const int n_tiles = kv.template n_tiles<BN>();
-  // sm_90a: the skewed wgmma schedule; other targets: the mma.sync loop below.
-  constexpr bool kWgmmaSchedule = VQAD_FWD_SM90A != 0;
-  bool idle_wg = false;  // KV::idle: this warpgroup only loads and meets the barriers
-  if constexpr (kWgmmaSchedule) {
-#if VQAD_FWD_SM90A
-    static_assert(BN == 128 && kStages == 3, "skewed schedule: BLOCK_N 128, 3 stages");
-    static_assert(kSkewGroups > 0 && kSkewGroups < kKS, "skew: 1 to 7 groups before the barrier");
-    // Broadcast from lane 0 so that ptxas sees the warpgroup index as warp-uniform
-    // (wgmma in branches on a divergent value would be serialized).
-    const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
-    if constexpr (KV::kCanIdle) idle_wg = __shfl_sync(0xffffffffu, kv.idle(wg) ? 1 : 0, 0) != 0;
-    const uint32_t a_base = sQ + wg * 64 * 128;
-    float (&acch_ref)[16][4] = *reinterpret_cast<float(*)[16][4]>(QUANT_P ? &acch[0][0] : &acc[0][0]);
-    float s[kNT][4];
-    // QK^T of tile j into s (waited for), tail masking, running max, rescale.
-    auto scores = [&](int j, uint32_t sK) {
-      const int mi = kv.mask_info(j);
-      qk_wgmma<BN>(s, a_base, sK);
-      kv.template mask<BN>(s, mi, t);
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kNT; ++i) {
-        mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      mx0 = fmaxf(m_run[0], mx0 * scale_log2);
-      mx1 = fmaxf(m_run[1], mx1 * scale_log2);
-      const float alpha0 = fast_exp2(m_run[0] - mx0);
-      const float alpha1 = fast_exp2(m_run[1] - mx1);
-      m_run[0] = mx0;
-      m_run[1] = mx1;
-      lacc[0] *= alpha0;
-      lacc[1] *= alpha0;
-      lacc[2] *= alpha1;
-      lacc[3] *= alpha1;
-      if (__any_sync(0xffffffffu, alpha0 != 1.0f || alpha1 != 1.0f)) {
-#pragma unroll
-        for (int i = 0; i < kDT; ++i) {
-          acc[i][0] *= alpha0;
-          acc[i][1] *= alpha0;
-          acc[i][2] *= alpha1;
-          acc[i][3] *= alpha1;
-          if constexpr (QUANT_P) {
-            acch[i][0] *= alpha0;
-            acch[i][1] *= alpha0;
-            acch[i][2] *= alpha1;
-            acch[i][3] *= alpha1;
-          }
-        }
-      }
-    };
-    // Barrier k: tile k is visible to all, and tile k - 2's stage (every use of it is
-    // behind this barrier in both warpgroups) receives tile k + 1.
-    auto barrier_and_load = [&](int k) {
-      cp_async_wait<0>();
-      fence_proxy_async();
-      __syncthreads();
-      if (k + 1 < n_tiles) {
-        const uint32_t dst = sKV0 + ((k + 1) % 3) * 2 * kTileBytes;
-        kv.template load<BN>(dst, k + 1, tid);
-      }
-      cp_async_commit();
-    };
-    // One loop body for both warpgroups; only the barrier positions depend on wg.
-    if (KV::kCanIdle && idle_wg) {
-      // Either warpgroup meets barriers 0 .. n_tiles in this order; an idle one only
-      // loads its share of each tile at them.
+  sm90::mbar_wait(bar_q, 0);
+  if (cw == 1) sm90::named_barrier_sync(kStartBarrier, 256);  // half a tile behind consumer 0
+  // (every KV policy has n_tiles >= 1)
+  if constexpr (kLookahead) {
+    sm90::mbar_wait(full_k(0), 0);
+    qk_wgmma<true>(s, a_base, sK0);
+    release(empty_k(0));
+  }
 #pragma unroll 1
-      for (int k = 0; k <= n_tiles; ++k) barrier_and_load(k);
-    } else {
-      if (wg == 1) barrier_and_load(0);
-#pragma unroll 1
-      for (int j = 0; j < n_tiles; ++j) {
-        if (wg == 0) barrier_and_load(j);
-        const uint32_t sK = sKV0 + (j % 3) * 2 * kTileBytes;
-        scores(j, sK);
-        pv_groups<0, kSkewGroups, QUANT_P, BN>(s, acc, acch_ref, lacc, m_run, scale_log2, sK + kTileBytes,
-                                               scale_table, ones_desc);
-        if (wg == 1) {
-          wgmma_wait0();
-          barrier_and_load(j + 1);
-        }
-        pv_groups<kSkewGroups, kKS, QUANT_P, BN>(s, acc, acch_ref, lacc, m_run, scale_log2, sK + kTileBytes,
-                                                 scale_table, ones_desc);
-        wgmma_wait0();
-      }
-      if (wg == 0) barrier_and_load(n_tiles);
-    }  // not idle
-#endif
-  } else {
-  // mma.sync m16n8k16 + ldmatrix, K/V double buffered (two of the stages).
   for (int j = 0; j < n_tiles; ++j) {
-    cp_async_wait<0>();
-    __syncthreads();  // tile j visible to all; every warp is done with tile j-1's buffer
-    if (j + 1 < n_tiles) {
-      const uint32_t next = sKV0 + ((j + 1) & 1) * 2 * kTileBytes;
-      kv.template load<BN>(next, j + 1, tid);
+    const int st = j % kStages;
+    const uint32_t parity = (j / kStages) & 1;
+    const int mi = kv.mask_info(j);
+    if constexpr (!kLookahead) {
+      sm90::mbar_wait(full_k(st), parity);
+      qk_wgmma<true>(s, a_base, sK0 + st * kTileBytes);
+      release(empty_k(st));
     }
-    cp_async_commit();
-    const uint32_t sK = sKV0 + (j & 1) * 2 * kTileBytes;
-    const uint32_t k_base = sK + k_lane;
-    const uint32_t sV = sK + kTileBytes;
-    const uint32_t v_base = sV + v_lane;
-
-    // ---- S = Q^ K^T (fp32) ----
-    float s[kNT][4];
-#pragma unroll
-    for (int i = 0; i < kNT; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t qa[4];
-      ldmatrix_x4(qa, (q_lane ^ ((kk & 3) * 32)) + (kk >> 2) * kBM * 128);
-#pragma unroll
-      for (int n2 = 0; n2 < kNT / 2; ++n2) {
-        uint32_t kb[4];
-        ldmatrix_x4(kb, (k_base ^ ((kk & 3) * 32)) + (kk >> 2) * BN * 128 + n2 * 16 * 128);
-        mma_bf16(s[2 * n2], qa, kb[0], kb[1]);
-        mma_bf16(s[2 * n2 + 1], qa, kb[2], kb[3]);
-      }
-    }
-
+    kv.mask(s, mi, t);
     // ---- running max (rows g and g + 8 of this warp) ----
-    // Keys past the end exist only in the last tile; a warp-uniform branch keeps the
-    // per-element compares out of every other tile.
-    kv.template mask<BN>(s, kv.mask_info(j), t);
-    // The max is taken on the raw dot products: x -> RN(x * c) is monotonic for
-    // c > 0, so RN(max * c) is exactly the max of the scaled scores.
+    // The max is taken on the raw dot products: x -> RN(x * c) is monotonic for c > 0,
+    // so RN(max * c) is exactly the max of the scaled scores.
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kNT; ++i) {
@@ -713,9 +554,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
     mx0 = fmaxf(m_run[0], mx0 * scale_log2);
     mx1 = fmaxf(m_run[1], mx1 * scale_log2);
-    // P = exp2(s * c - m') with one FFMA (one rounding fewer than the reference's
-    // separate product and difference; P agrees to an ulp).
-    const float neg0 = -mx0, neg1 = -mx1;
     const float alpha0 = fast_exp2(m_run[0] - mx0);
     const float alpha1 = fast_exp2(m_run[1] - mx1);
     m_run[0] = mx0;
@@ -741,57 +579,45 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         }
       }
     }
-
-    // ---- P, P^ and the two P.V products, one 16-key group at a time ----
-#pragma unroll
-    for (int ks = 0; ks < kKS; ++ks) {
-      // this lane's keys of the group: row g -> p[0..3], row g + 8 -> p[4..7]
-      uint32_t pa[4], qa[4];
-      p_fragments<QUANT_P, true>(s[2 * ks], s[2 * ks + 1], scale_log2, neg0, neg1, scale_table, lacc, pa, qa);
-#pragma unroll
-      for (int d2 = 0; d2 < kDT / 2; ++d2) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, (v_base ^ ((d2 & 3) * 32)) + (d2 >> 2) * BN * 128 + ks * 16 * 128);
-        mma_bf16(acc[2 * d2], qa, vb[0], vb[1]);
-        mma_bf16(acc[2 * d2 + 1], qa, vb[2], vb[3]);
-        if constexpr (QUANT_P) {
-          mma_bf16(acch[2 * d2], pa, vb[0], vb[1]);
-          mma_bf16(acch[2 * d2 + 1], pa, vb[2], vb[3]);
-        }
-      }
+    // ---- P, P^ and the P.V products, one 16-key group at a time ----
+    const uint32_t sV = sV0 + st * kTileBytes;
+    sm90::mbar_wait(full_v(st), parity);
+    pv_groups<0, kSkewGroups, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    if (cw == 0 && j == 0) sm90::named_barrier_arrive(kStartBarrier, 256);
+    pv_groups<kSkewGroups, kKS, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    const bool next = kLookahead && j + 1 < n_tiles;
+    if (next) {
+      const int nst = (j + 1) % kStages;
+      sm90::mbar_wait(full_k(nst), ((j + 1) / kStages) & 1);
+      qk_wgmma<false>(s, a_base, sK0 + nst * kTileBytes);
     }
+    wgmma_wait0();
+    release(empty_v(st));
+    if (next) release(empty_k((j + 1) % kStages));
   }
-  cp_async_wait<0>();
-  }  // schedule
 
-  if (KV::kCanIdle && idle_wg) return;  // padding rows only (no barrier follows)
   // ---- epilogue: full row sums, O = acc / l, O_hp = acch / l, m and l ----
   // Every column holds the row sum; the max of two columns (equal values) keeps all
   // four accumulators live, so the row-sum wgmma never sees an undefined accumulator.
   const float l0 = fmaxf(lacc[0], lacc[1]), l1 = fmaxf(lacc[2], lacc[3]);
   const float inv_l0 = 1.0f / l0, inv_l1 = 1.0f / l1;
-  const int row0 = q0 + warp * 16 + g;
+  const int row0 = q0 + (warp - 4) * 16 + g;
   const int row1 = row0 + 8;
   const bool ok0 = row0 < p.len_q, ok1 = row1 < p.len_q;
+  using bf = __nv_bfloat16;
   bf* o = static_cast<bf*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
   bf* ohp = p.o_hp ? static_cast<bf*>(p.o_hp) + b * p.o_hp_stride.b + h * p.o_hp_stride.h : nullptr;
 #pragma unroll
   for (int i = 0; i < kDT; ++i) {
     const int d = i * 8 + 2 * t;
-    if (ok0) {
-      *reinterpret_cast<uint32_t*>(o + row0 * p.o_stride.l + d) = pack_bf16(acc[i][0] * inv_l0, acc[i][1] * inv_l0);
-    }
-    if (ok1) {
-      *reinterpret_cast<uint32_t*>(o + row1 * p.o_stride.l + d) = pack_bf16(acc[i][2] * inv_l1, acc[i][3] * inv_l1);
-    }
+    if (ok0) *reinterpret_cast<uint32_t*>(o + row0 * p.o_stride.l + d) = pack_bf16(acc[i][0] * inv_l0, acc[i][1] * inv_l0);
+    if (ok1) *reinterpret_cast<uint32_t*>(o + row1 * p.o_stride.l + d) = pack_bf16(acc[i][2] * inv_l1, acc[i][3] * inv_l1);
     if (ohp != nullptr) {
       const float* src = QUANT_P ? acch[QUANT_P ? i : 0] : acc[i];
-      if (ok0) {
+      if (ok0)
         *reinterpret_cast<uint32_t*>(ohp + row0 * p.o_hp_stride.l + d) = pack_bf16(src[0] * inv_l0, src[1] * inv_l0);
-      }
-      if (ok1) {
+      if (ok1)
         *reinterpret_cast<uint32_t*>(ohp + row1 * p.o_hp_stride.l + d) = pack_bf16(src[2] * inv_l1, src[3] * inv_l1);
-      }
     }
   }
   if (t == 0) {
@@ -805,6 +631,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       if (ok1) p.l[stat + row1] = l1;
     }
   }
+#else
+  (void)p, (void)scale_log2, (void)visit, (void)tm_q, (void)tm_k, (void)tm_v;
+  __trap();  // launched only on sm_90 devices, from the sm_90a build
+#endif
 }
 
 constexpr const char* kOp = "attn_qat_fwd";
@@ -814,14 +644,11 @@ std::string shape_str(const AttnQatFwdParams& p) {
   return attention_shape_str(p.batch, p.heads, p.len_q, p.len_kv, p.head_dim);
 }
 
-template <int BN, bool QUANT_P, class KV>
+template <bool QUANT_P, class KV>
 void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit,
                  cudaStream_t stream) {
-  auto kernel = attn_qat_fwd_kernel<BN, QUANT_P, KV>;
-  // Q, two K/V stages, the scale table, and room to align the start to 1024 bytes.
-  const int smem = (kBM + 2 * kStages * BN) * kD * 2 + kScaleTableBytes + kOnesBytes + 1024;
-  // Validated on sm_90 (H100/H200) only; other arches would run the untested
-  // mma.sync build of this kernel, so they are refused rather than guessed at.
+  auto kernel = attn_qat_fwd_kernel<QUANT_P, KV>;
+  // Validated on sm_90 (H100/H200) only: other arches are refused rather than guessed at.
   int device = 0, major = 0, minor = 0;
   VQAD_CUDA_CHECK(cudaGetDevice(&device));
   VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -835,13 +662,19 @@ void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, co
     launch_fail(op, shape_str(p), "no kernel image for this device in the build (", cudaGetErrorString(err),
                 "): expected one for sm_90a");
   }
-  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const FwdKernelParams kp{p.q.data,    p.k.data,      p.v.data,   p.q.stride, p.k.stride,
-                           p.v.stride,  p.o.data,      p.o_hp.data, p.o.stride, p.o_hp.stride,
-                           p.m,         p.l,           p.batch,    p.heads,    p.len_q,
-                           p.len_kv,    p.head_dim,    p.softmax_scale, p.quant_p};
+  CUtensorMap maps[3];
+  const BlhdIn* views[3] = {&p.q, &p.k, &p.v};
+  const char* names[3] = {"q", "k", "v"};
+  for (int i = 0; i < 3; ++i) {
+    const std::string why = make_blhd_tensor_map(&maps[i], views[i]->data, views[i]->stride, p.batch,
+                                                 i == 0 ? p.len_q : p.len_kv, p.heads, kD, i == 0 ? kBM : KV::kBoxRows);
+    VQAD_LAUNCH_CHECK(why.empty(), op, shape_str(p), "tensor ", names[i], ": ", why);
+  }
+  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const FwdKernelParams kp{p.o.data, p.o_hp.data, p.o.stride, p.o_hp.stride, p.m,
+                           p.l,      p.batch,     p.heads,    p.len_q,       p.len_kv};
   const dim3 grid((p.len_q + kBM - 1) / kBM, p.heads, p.batch);
-  kernel<<<grid, kThreads, smem, stream>>>(kp, scale_log2, visit);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp, scale_log2, visit, maps[0], maps[1], maps[2]);
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_fwd_kernel");
 }
 
@@ -872,9 +705,9 @@ void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
   const float scale_log2 = check_fwd_params(kOp, p);
   const AttnQatFwdVisit none{};
   if (p.quant_p)
-    launch_impl<kAttnQatBlockN, true, DenseKv>(kOp, p, scale_log2, none, stream);
+    launch_impl<true, DenseKv>(kOp, p, scale_log2, none, stream);
   else
-    launch_impl<kAttnQatBlockN, false, DenseKv>(kOp, p, scale_log2, none, stream);
+    launch_impl<false, DenseKv>(kOp, p, scale_log2, none, stream);
 }
 
 void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit& visit, cudaStream_t stream) {
@@ -886,9 +719,9 @@ void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit&
                     shape_str(p), "expected at most ", kAttnQatVisitMaxBlock + 1,
                     " 64-row blocks (what a visit entry holds), found len_kv ", p.len_kv);
   if (p.quant_p)
-    launch_impl<kAttnQatBlockN, true, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
+    launch_impl<true, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
   else
-    launch_impl<kAttnQatBlockN, false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
+    launch_impl<false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
 }
 
 }  // namespace vqad::kernels::attention

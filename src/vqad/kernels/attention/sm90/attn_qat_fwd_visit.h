@@ -5,8 +5,9 @@
 // Each 128-row query tile m_block of (b, h) has its own list of physical 64-row blocks of
 // K / V (rows blk * 64 .. blk * 64 + 63 of that (b, h) in the k / v views). A 128-key KV
 // tile of the kernel is two consecutive list entries, gathered into the tile's halves
-// (rows 0-63, 64-127); a last odd entry leaves the second half empty. Rows of a block at
-// and past its valid-token count are masked (P = 0) and zero-filled, so the running max,
+// (rows 0-63, 64-127); a last odd entry leaves the second half empty (zeros). Rows of a
+// block at and past its valid-token count are masked (P = 0) but loaded as they are, so
+// they must hold finite values (the VSA tiling writes zeros there). The running max,
 // the 16-key P quantization groups and the row sums restart per pair of visited blocks:
 // ATTN_QAT_TRAIN at BLOCK_N = 128 over the gathered keys with each block's groups
 // starting at its first key (vsa_ref tile_blocks = 2).
