@@ -48,11 +48,11 @@
 //
 //    The E2M1 magnitude fast forms differ in their instructions, not their results:
 //    e2m1_rne_magnitude picks the magic constant with two compares (fake quant, VSA),
-//    e2m1_round_unsat builds it from a's exponent bits with one add-max and leaves the
-//    saturation to its caller: fminf in e2m1_round_nonneg (backward), or min.bf16x2 on
-//    the packed pair (forward: half an instruction per element). e2m1_round_magnitude of
-//    part 1 is the same constant from the exponent bits of min(a, 6); e2m1_code_byte adds
-//    the code offset to that constant.
+//    e2m1_round_nonneg builds it from a's exponent bits and saturates after the add
+//    (backward), e2m1_round_unsat builds the same constant with one add-max and leaves
+//    the saturation to min.bf16x2 on the packed pair (forward: half an instruction per
+//    element). e2m1_round_magnitude of part 1 is the same constant from the exponent
+//    bits of min(a, 6); e2m1_code_byte adds the code offset to that constant.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -312,17 +312,22 @@ __device__ __forceinline__ float e2m1_rne_magnitude(float a) {
 
 // The nearest E2M1 grid value of a >= 0 without the saturation: 2^(22 + max(E, 0))
 // (E = exponent of a) as the constant, formed with one add-max (VIADDMNMX on sm_90).
-// Exponents past 2^105 overflow the sum to a negative int and take 2^22 instead; those
-// a, +inf and NaN round to themselves (or NaN), all above 6, so every saturating user
-// below gives 6 for them.
+// For a >= 2^107 the sum overflows to a negative int and the constant is 2^22; those a,
+// +inf and NaN come back unchanged (all above 6), so the saturating users give 6.
 __device__ __forceinline__ float e2m1_round_unsat(float a) {
   const int e = __float_as_int(a) & 0x7f800000;
   const float magic = __int_as_float(__viaddmax_s32(e, 22 << 23, 0x4A800000));  // 0x4A800000 = 2^22
   return __fsub_rn(__fadd_rn(a, magic), magic);
 }
 
-// e2m1_round_unsat saturated at 6: values >= 6 round to at least 6 in their own binade.
-__device__ __forceinline__ float e2m1_round_nonneg(float a) { return fminf(e2m1_round_unsat(a), 6.0f); }
+// The same constant with a separate max and add, saturated at 6: values >= 6 round to at
+// least 6 in their own binade. (Built on e2m1_round_unsat instead, the backward's visit
+// kernels spilled more registers and ran 2% slower.)
+__device__ __forceinline__ float e2m1_round_nonneg(float a) {
+  const int eb = max(__float_as_int(a) & 0x7f800000, 0x3f800000);
+  const float magic = __int_as_float(eb + (22 << 23));
+  return fminf((a + magic) - magic, 6.0f);
+}
 
 // min(x, 6) of two bf16 values (a NaN gives 6: min returns the other operand). With
 // e2m1_round_unsat (exact in bf16: at most two significant bits, or +inf / NaN),
