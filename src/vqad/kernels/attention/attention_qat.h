@@ -30,7 +30,10 @@ inline constexpr int kAttnQatBlockM = 128;
 inline constexpr int kAttnQatHeadDim = 128;
 
 // Every BLHD view below: head dim contiguous, the other strides multiples of 8
-// elements and a 16-byte aligned start (16-byte vector loads; check_blhd).
+// elements and a 16-byte aligned start (16-byte vector loads; check_blhd). The
+// forward's q, k, v are read by TMA, which also needs those strides positive wherever
+// the dimension has more than one entry (no broadcast views; the op passes the
+// pre-pass's contiguous outputs).
 struct FakeQuantQkvParams {
   BlhdIn q;  // BF16, [B, Lq, H, D]
   BlhdIn k;  // BF16, [B, Lkv, H, D]
