@@ -1,9 +1,11 @@
 // sm_90 PTX wrappers shared by the attention kernels (dense QAT forward and backward,
 // and the VSA kernels): shared-memory addresses, cp.async, ldmatrix, mma.sync,
 // wgmma (descriptors, fences, the m64nNk16 shapes), bulk copies / reductions,
-// named barriers, MUFU exp2, bf16 packing. One definition per instruction form.
-// Targets: wgmma only in the arch-specific sm_90a target (__CUDA_ARCH_FEAT_SM90_ALL);
-// the async-proxy fence and bulk copies on sm_90 and later; the rest on sm_80 and later.
+// mbarriers and TMA tile loads, named barriers, register reallocation (setmaxnreg),
+// MUFU exp2, bf16 packing. One definition per instruction form.
+// Targets: wgmma and setmaxnreg only in the arch-specific sm_90a target
+// (__CUDA_ARCH_FEAT_SM90_ALL); the async-proxy fence, bulk copies, mbarriers and TMA on
+// sm_90 and later; the rest on sm_80 and later.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
