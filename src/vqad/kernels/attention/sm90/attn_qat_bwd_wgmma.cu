@@ -141,10 +141,7 @@ __device__ __forceinline__ void sem_advance(int* sem) {
 using sm90::named_barrier_sync;
 #endif  // VQAD_BWD_SM90A
 
-template <int N>
-__device__ __forceinline__ float (&flat(float (&x)[N][4]))[N * 4] {
-  return reinterpret_cast<float(&)[N * 4]>(x);
-}
+using sm90::flat;
 
 constexpr int kThreads = 256;  // two warpgroups
 constexpr int kKeysPerCta = 128;

@@ -60,7 +60,7 @@ struct FwdKernelParams {
   BlhdStrides o_stride, o_hp_stride;
   float* m;  // may be null
   float* l;  // may be null
-  int batch, heads, len_q, len_kv;
+  int heads, len_q, len_kv;
 };
 
 // Schedule (named constants; docs/performance.md has the measured alternatives).
@@ -94,87 +94,31 @@ using sm90::smem_addr;
 #endif
 
 #if VQAD_FWD_SM90A
-// wgmma shared-memory descriptor for the layout above (K-major, 128-byte swizzle):
-// start address >> 4, leading offset unused (1), stride offset 1024 B between 8-row
-// atoms, swizzle mode 1 (128 B) in bits 62-63.
-__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
+// The tiles' wgmma descriptors (128-byte swizzle, 8-row atoms 1024 B apart):
+//   K-major (Q, K; k = head dim): leading offset unused (16 B);
+//   MN-major (V read as B[key][channel]): the 64-channel halves are the leading offset;
+// the ones block of the row-sum wgmma is K-major without swizzle (core matrices 128 B
+// apart along K, 256 B along N).
+// (Written out with constant fields rather than through sm90::wgmma_desc_sw128 /
+// wgmma_desc_plain: the same bits, but ptxas schedules the kernel differently.)
+__device__ __forceinline__ uint64_t desc_kmajor(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
          (1ull << 62);
 }
+__device__ __forceinline__ uint64_t desc_mn(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((kBN * 128) >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ uint64_t desc_ones(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
+         (static_cast<uint64_t>(256 >> 4) << 32);
+}
 
 using sm90::fence_proxy_async;
+using sm90::flat;
 using sm90::wgmma_commit;
 using sm90::wgmma_fence;
 __device__ __forceinline__ void wgmma_wait0() { sm90::wgmma_wait<0>(); }
-
-// D[64 x 128] += A[64 x 16] . B[16 x 128] with A from registers (per warp the
-// m16n8k16 A fragment: 16 rows x 16 keys as 4 bf16x2) and B from shared memory in
-// the MN-major orientation (B[k][n] = V[key][channel], channels contiguous): 64-channel
-// halves are the swizzle atoms' columns (leading offset = one half), 8-key groups
-// their rows (stride offset 1024 B).
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
-      "}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-// D[64 x 128] (+)= A[64 x 16] . B[16 x 128] into the n8 slices [OFF, OFF + 16) of d, both
-// operands from shared memory (bf16, fp32 accumulate); scale_d = 0 overwrites D (the
-// first k-step). Per warp the accumulator is 16 rows x 128 columns in the same register
-// order as 16 m16n8 mma.sync accumulators, d[n8 slice][4].
-template <int OFF>
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  static_assert(OFF >= 0 && OFF + 16 <= 16, "slice out of range");
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[OFF + 0][0]), "+f"(d[OFF + 0][1]), "+f"(d[OFF + 0][2]), "+f"(d[OFF + 0][3]),
-          "+f"(d[OFF + 1][0]), "+f"(d[OFF + 1][1]), "+f"(d[OFF + 1][2]), "+f"(d[OFF + 1][3]),
-          "+f"(d[OFF + 2][0]), "+f"(d[OFF + 2][1]), "+f"(d[OFF + 2][2]), "+f"(d[OFF + 2][3]),
-          "+f"(d[OFF + 3][0]), "+f"(d[OFF + 3][1]), "+f"(d[OFF + 3][2]), "+f"(d[OFF + 3][3]),
-          "+f"(d[OFF + 4][0]), "+f"(d[OFF + 4][1]), "+f"(d[OFF + 4][2]), "+f"(d[OFF + 4][3]),
-          "+f"(d[OFF + 5][0]), "+f"(d[OFF + 5][1]), "+f"(d[OFF + 5][2]), "+f"(d[OFF + 5][3]),
-          "+f"(d[OFF + 6][0]), "+f"(d[OFF + 6][1]), "+f"(d[OFF + 6][2]), "+f"(d[OFF + 6][3]),
-          "+f"(d[OFF + 7][0]), "+f"(d[OFF + 7][1]), "+f"(d[OFF + 7][2]), "+f"(d[OFF + 7][3]),
-          "+f"(d[OFF + 8][0]), "+f"(d[OFF + 8][1]), "+f"(d[OFF + 8][2]), "+f"(d[OFF + 8][3]),
-          "+f"(d[OFF + 9][0]), "+f"(d[OFF + 9][1]), "+f"(d[OFF + 9][2]), "+f"(d[OFF + 9][3]),
-          "+f"(d[OFF + 10][0]), "+f"(d[OFF + 10][1]), "+f"(d[OFF + 10][2]), "+f"(d[OFF + 10][3]),
-          "+f"(d[OFF + 11][0]), "+f"(d[OFF + 11][1]), "+f"(d[OFF + 11][2]), "+f"(d[OFF + 11][3]),
-          "+f"(d[OFF + 12][0]), "+f"(d[OFF + 12][1]), "+f"(d[OFF + 12][2]), "+f"(d[OFF + 12][3]),
-          "+f"(d[OFF + 13][0]), "+f"(d[OFF + 13][1]), "+f"(d[OFF + 13][2]), "+f"(d[OFF + 13][3]),
-          "+f"(d[OFF + 14][0]), "+f"(d[OFF + 14][1]), "+f"(d[OFF + 14][2]), "+f"(d[OFF + 14][3]),
-          "+f"(d[OFF + 15][0]), "+f"(d[OFF + 15][1]), "+f"(d[OFF + 15][2]), "+f"(d[OFF + 15][3])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
 
 // D[64 x 8] += A[64 x 16] . B[16 x 8], A from registers, B K-major from shared memory
 // without swizzle (used with a block of bf16 ones: D accumulates the row sums of A).
@@ -188,20 +132,6 @@ __device__ __forceinline__ void wgmma_m64n8k16_rs(float (&d)[4], const uint32_t 
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-// Descriptor of a no-swizzle K-major block (core matrices 128 B apart along K, 256 B
-// along N): 256 bytes from addr.
-__device__ __forceinline__ uint64_t wgmma_desc_plain(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
-         (static_cast<uint64_t>(256 >> 4) << 32);
-}
-
-
-// Descriptor of a [2][ROWS][64] tile read MN-major (see wgmma_m64n128k16_rs).
-template <int ROWS>
-__device__ __forceinline__ uint64_t wgmma_desc_mn(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((ROWS * 128) >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
 #endif  // VQAD_FWD_SM90A
 
@@ -276,8 +206,8 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uin
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
     const uint32_t koff = (kk & 3) * 32;
-    wgmma_ss_n128<0>(s, wgmma_desc(a_base + (kk >> 2) * kBM * 128 + koff),
-                     wgmma_desc(sK + (kk >> 2) * kBN * 128 + koff), kk > 0 ? 1 : 0);
+    sm90::wgmma_m64n128k16_ss<0>(flat(s), desc_kmajor(a_base + (kk >> 2) * kBM * 128 + koff),
+                                 desc_kmajor(sK + (kk >> 2) * kBN * 128 + koff), kk > 0 ? 1 : 0);
   }
   wgmma_commit();
   if constexpr (WAIT) wgmma_wait0();
@@ -296,9 +226,9 @@ __device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[
     uint32_t pa[4], qa[4];
     p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, table, pa, qa);
     wgmma_fence();
-    const uint64_t dv = wgmma_desc_mn<kBN>(sV + ks * 16 * 128);
-    wgmma_m64n128k16_rs(acc, qa, dv);
-    if constexpr (QUANT_P) wgmma_m64n128k16_rs(acch, pa, dv);
+    const uint64_t dv = desc_mn(sV + ks * 16 * 128);
+    sm90::wgmma_m64n128k16_rs<1>(flat(acc), qa, dv);
+    if constexpr (QUANT_P) sm90::wgmma_m64n128k16_rs<1>(flat(acch), pa, dv);
     wgmma_m64n8k16_rs(lacc, pa, ones_desc);
   }
   wgmma_commit();
@@ -434,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::mbar_init(empty_k(st), kConsumerWarps);
       sm90::mbar_init(empty_v(st), kConsumerWarps);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    sm90::fence_mbarrier_init();
   }
   if (wg == 1) {
     const int i = tid - 128;
@@ -497,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  const uint64_t ones_desc = wgmma_desc_plain(sOnes);
+  const uint64_t ones_desc = desc_ones(sOnes);
   const uint32_t a_base = sQ + cw * 64 * 128;
 
   float acc[kDT][4];
@@ -671,8 +601,7 @@ void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, co
     VQAD_LAUNCH_CHECK(why.empty(), op, shape_str(p), "tensor ", names[i], ": ", why);
   }
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const FwdKernelParams kp{p.o.data, p.o_hp.data, p.o.stride, p.o_hp.stride, p.m,
-                           p.l,      p.batch,     p.heads,    p.len_q,       p.len_kv};
+  const FwdKernelParams kp{p.o.data, p.o_hp.data, p.o.stride, p.o_hp.stride, p.m, p.l, p.heads, p.len_q, p.len_kv};
   const dim3 grid((p.len_q + kBM - 1) / kBM, p.heads, p.batch);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp, scale_log2, visit, maps[0], maps[1], maps[2]);
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_fwd_kernel");
