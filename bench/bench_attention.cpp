@@ -1,7 +1,8 @@
 // `vqad bench attention`: the ATTN_QAT_TRAIN CUDA kernels (Q/K/V pre-pass + forward,
 // backward) against LibTorch SDPA with the cuDNN and the flash backends, side by side
-// in one run at the performance-spec shapes. Before timing, the kernels are checked
-// against the CPU reference at a small ragged shape. Prints a table and writes JSON.
+// in one run at the performance-spec shapes (head dim 128 by default, 64 on request).
+// Before timing, the kernels are checked against the CPU reference at a small ragged
+// shape, once per head dim. Prints a table and writes JSON.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -32,7 +34,7 @@ namespace vqad::cli {
 namespace {
 
 struct AttentionBenchOptions {
-  std::vector<std::string> shapes = {"1,3,31200", "1,12,31200", "1,12,8192"};  // B,H,L (D = 128)
+  std::vector<std::string> shapes = {"1,3,31200", "1,12,31200", "1,12,8192"};  // B,H,L[,D] (D: 128 or 64)
   int warmup = 3;
   int iters = 10;
   bool backward = true;
@@ -40,23 +42,24 @@ struct AttentionBenchOptions {
 };
 
 struct Shape {
-  int64_t b = 0, h = 0, l = 0;
+  int64_t b = 0, h = 0, l = 0, d = 128;
 };
 
 Shape parse_shape(const std::string& s) {
   Shape r;
-  char c1 = 0, c2 = 0;
+  char c1 = 0, c2 = 0, c3 = 0;
   std::istringstream is(s);
-  if (!(is >> r.b >> c1 >> r.h >> c2 >> r.l) || c1 != ',' || c2 != ',' || !is.eof() || r.b < 1 || r.h < 1 ||
-      r.l < 1)
-    fail("bench attention: --shape '", s, "' must be B,H,L with positive integers, e.g. 1,3,31200");
+  bool ok = static_cast<bool>(is >> r.b >> c1 >> r.h >> c2 >> r.l) && c1 == ',' && c2 == ',';
+  if (ok && !is.eof()) ok = static_cast<bool>(is >> c3 >> r.d) && c3 == ',';
+  if (!ok || !is.eof() || r.b < 1 || r.h < 1 || r.l < 1)
+    fail("bench attention: --shape '", s, "' must be B,H,L or B,H,L,D with positive integers, e.g. 1,3,31200");
+  if (r.d != 64 && r.d != 128) fail("bench attention: --shape '", s, "': D must be 64 or 128, found ", r.d);
   return r;
 }
 
 #ifdef VQAD_WITH_TORCH_CUDA
 namespace ka = vqad::kernels::attention;
 namespace ref = vqad::attn_qat_ref;
-constexpr int64_t kD = ka::kAttnQatHeadDim;
 
 template <class Fn>
 double time_ms(Fn&& fn, int warmup, int iters) {
@@ -112,7 +115,7 @@ struct QatRun {
     fq.q = blhd_in(q), fq.k = blhd_in(k), fq.v = blhd_in(v);
     fq.q_out = qh.data_ptr(), fq.k_out = kh.data_ptr(), fq.v_out = vh.data_ptr();
     fq.batch = static_cast<int>(B), fq.heads = static_cast<int>(H);
-    fq.len_q = static_cast<int>(Lq), fq.len_kv = static_cast<int>(Lkv), fq.head_dim = static_cast<int>(kD);
+    fq.len_q = static_cast<int>(Lq), fq.len_kv = static_cast<int>(Lkv), fq.head_dim = static_cast<int>(q.size(3));
     fwd.q = blhd_in(qh), fwd.k = blhd_in(kh), fwd.v = blhd_in(vh);
     fwd.o = blhd_out(o), fwd.o_hp = blhd_out(o_hp);
     fwd.m = m.data_ptr<float>(), fwd.l = l.data_ptr<float>();
@@ -153,7 +156,7 @@ ref::View view(torch::Tensor& t) { return {t.data_ptr<float>(), t.stride(0), t.s
 // Kernels vs the CPU reference at a ragged cross-attention shape (Lq, Lkv not tile
 // multiples). Throws when the forward is off; the backward result is reported and
 // decides whether the backward is timed.
-nlohmann::json check_against_reference(bool with_backward, bool* backward_ok) {
+nlohmann::json check_against_reference(int64_t kD, bool with_backward, bool* backward_ok) {
   const int64_t B = 1, H = 2, Lq = 1000, Lkv = 777;
   const auto bf = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   const torch::Tensor q = torch::randn({B, Lq, H, kD}, bf), k = torch::randn({B, Lkv, H, kD}, bf),
@@ -179,7 +182,7 @@ nlohmann::json check_against_reference(bool with_backward, bool* backward_ok) {
   j["fwd_l_max_rel"] = ((run.l.cpu() - rl).abs() / rl).max().item<double>();
   VQAD_CHECK(j["fwd_o_rel_l2"].get<double>() <= 1e-2 && j["fwd_o_hp_rel_l2"].get<double>() <= 1e-2 &&
                  j["fwd_m_max_abs"].get<double>() <= 1e-3 && j["fwd_l_max_rel"].get<double>() <= 1e-3,
-             "bench attention: forward kernel disagrees with the CPU reference at B=1 H=2 Lq=1000 Lkv=777: ",
+             "bench attention: forward kernel disagrees with the CPU reference at B=1 H=2 Lq=1000 Lkv=777 D=", kD, ": ",
              j.dump());
   *backward_ok = false;
   if (with_backward) {
@@ -255,6 +258,7 @@ void bench_sdpa(const char* name, bool use_flash, bool use_cudnn, const torch::T
 }
 
 nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenchOptions& o) {
+  const int64_t kD = s.d;
   const auto bf = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   const torch::Tensor q = torch::randn({s.b, s.l, s.h, kD}, bf), k = torch::randn({s.b, s.l, s.h, kD}, bf),
                       v = torch::randn({s.b, s.l, s.h, kD}, bf), d_out = torch::randn({s.b, s.l, s.h, kD}, bf);
@@ -314,25 +318,34 @@ int run_attention_bench(const AttentionBenchOptions& o) {
   for (const std::string& s : o.shapes) shapes.push_back(parse_shape(s));
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, at::cuda::current_device());
-  std::printf("vqad bench attention on %s (sm_%d%d), D=%lld, BLOCK_N=%d, median of %d after %d warm-up\n", prop.name,
-              prop.major, prop.minor, static_cast<long long>(kD), ka::kAttnQatBlockN, o.iters, o.warmup);
-  bool backward_ok = false;
-  const nlohmann::json check = check_against_reference(o.backward, &backward_ok);
-  std::printf("check vs CPU reference (1,2,1000x777): %s\n", check.dump().c_str());
-  if (o.backward && !backward_ok) std::printf("backward not timed: it failed the reference check\n");
-  std::printf("%-12s | %9s %9s %9s %9s %7s %7s | %9s %9s %9s %7s %7s\n", "B,H,L", "qat fwd", "bf16 fwd",
+  std::printf("vqad bench attention on %s (sm_%d%d), BLOCK_N=%d, median of %d after %d warm-up\n", prop.name,
+              prop.major, prop.minor, ka::kAttnQatBlockN, o.iters, o.warmup);
+  // One reference check per head dim of the shapes.
+  std::map<int64_t, bool> backward_ok_by_d;
+  nlohmann::json check = nlohmann::json::object();
+  for (const Shape& s : shapes) {
+    if (backward_ok_by_d.count(s.d)) continue;
+    bool ok = false;
+    check["D=" + std::to_string(s.d)] = check_against_reference(s.d, o.backward, &ok);
+    backward_ok_by_d[s.d] = ok;
+    std::printf("check vs CPU reference (1,2,1000x777, D=%lld): %s\n", static_cast<long long>(s.d),
+                check["D=" + std::to_string(s.d)].dump().c_str());
+    if (o.backward && !ok) std::printf("backward at D=%lld not timed: it failed the reference check\n", (long long)s.d);
+  }
+  std::printf("%-14s | %9s %9s %9s %9s %7s %7s | %9s %9s %9s %7s %7s\n", "B,H,L,D", "qat fwd", "bf16 fwd",
               "cudnn fwd", "flash fwd", "/cudnn", "/flash", "qat bwd", "cudnn bwd", "flash bwd", "/cudnn", "/flash");
   nlohmann::json results = nlohmann::json::array();
   for (const Shape& s : shapes) {
-    nlohmann::json r = bench_shape(s, backward_ok, o);
-    char name[48];
-    std::snprintf(name, sizeof(name), "%lld,%lld,%lld", (long long)s.b, (long long)s.h, (long long)s.l);
-    std::printf("%-12s | %9s %9s %9s %9s %7s %7s | %9s %9s %9s %7s %7s\n", name, cell(r, "vqad_qat_fwd_ms").c_str(),
+    nlohmann::json r = bench_shape(s, backward_ok_by_d[s.d], o);
+    char name[64];
+    std::snprintf(name, sizeof(name), "%lld,%lld,%lld,%lld", (long long)s.b, (long long)s.h, (long long)s.l,
+                  (long long)s.d);
+    std::printf("%-14s | %9s %9s %9s %9s %7s %7s | %9s %9s %9s %7s %7s\n", name, cell(r, "vqad_qat_fwd_ms").c_str(),
                 cell(r, "vqad_bf16_fwd_ms").c_str(), cell(r, "cudnn_fwd_ms").c_str(), cell(r, "flash_fwd_ms").c_str(),
                 cell(r, "ratio_fwd_vs_cudnn").c_str(), cell(r, "ratio_fwd_vs_flash").c_str(),
                 cell(r, "vqad_qat_bwd_ms").c_str(), cell(r, "cudnn_bwd_ms").c_str(), cell(r, "flash_bwd_ms").c_str(),
                 cell(r, "ratio_bwd_vs_cudnn").c_str(), cell(r, "ratio_bwd_vs_flash").c_str());
-    std::printf("%-12s | TFLOP/s: qat fwd %s, bf16 fwd %s, cudnn fwd %s, flash fwd %s, qat bwd %s; pre-pass %s ms\n",
+    std::printf("%-14s | TFLOP/s: qat fwd %s, bf16 fwd %s, cudnn fwd %s, flash fwd %s, qat bwd %s; pre-pass %s ms\n",
                 "", cell(r, "vqad_qat_fwd_tflops").c_str(), cell(r, "vqad_bf16_fwd_tflops").c_str(),
                 cell(r, "cudnn_fwd_tflops").c_str(), cell(r, "flash_fwd_tflops").c_str(),
                 cell(r, "vqad_qat_bwd_tflops").c_str(), cell(r, "vqad_prepass_ms").c_str());
@@ -368,7 +381,7 @@ void register_bench_attention_commands(CLI::App& app) {
   auto opts = std::make_shared<AttentionBenchOptions>();
   CLI::App* sub = bench->add_subcommand(
       "attention", "ATTN_QAT_TRAIN CUDA kernels vs LibTorch SDPA (cuDNN, flash), forward and backward");
-  sub->add_option("--shape", opts->shapes, "B,H,L (D = 128), repeatable")->capture_default_str();
+  sub->add_option("--shape", opts->shapes, "B,H,L or B,H,L,D (D = 128 or 64; default 128), repeatable")->capture_default_str();
   sub->add_option("--warmup", opts->warmup, "warm-up calls")->capture_default_str();
   sub->add_option("--iters", opts->iters, "timed calls (median reported)")->capture_default_str();
   sub->add_flag("!--no-backward", opts->backward, "skip the backward timings");

@@ -8,7 +8,7 @@
 //     bench/playground/attn_fwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_fwd_sm90.cu src/vqad/kernels/common/tma.cu \
 //     src/vqad/kernels/attention/fake_quant_qkv.cu src/vqad/kernels/common/device.cu \
 //     src/vqad/numerics/attention_qat_ref.cpp src/vqad/numerics/nvfp4.cpp -o /tmp/attn_fwd_pg
-//   /tmp/attn_fwd_pg [check] [time]
+//   /tmp/attn_fwd_pg [check] [time] [d64]   (d64: head dim 64 instead of 128)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,7 +32,8 @@ namespace ka = vqad::kernels::attention;
 
 namespace {
 
-constexpr int kD = ka::kAttnQatHeadDim;
+// Head dim of every case: 128, or 64 with the argument d64.
+int kD = 128;
 
 // BF16 conversions, rel-L2 and the noise-floor tolerance of the kernel tests (tests/support).
 uint16_t to_bf16_bits(float x) { return vqad::test::bf16_bits(x); }
@@ -290,6 +291,7 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "check") do_check = true;
     if (a == "time") do_time = true;
+    if (a == "d64") kD = 64;
   }
   int failures = 0;
   try {

@@ -2,8 +2,8 @@
 // ops/attention_qat_cuda.h) against the same op on CPU tensors (the scalar
 // reference at BLOCK_N 128), on fresh random inputs: non-contiguous views cut from
 // a packed qkv tensor, ragged self and cross lengths, fp32 and bf16 inputs, both
-// backward P modes; quantization off against the fp32 softmax math; unsupported
-// head dims and block sizes are clear errors. The caching allocator is filled
+// backward P modes, head dims 128 and 64; quantization off against the fp32 softmax
+// math; unsupported head dims and block sizes are clear errors. The caching allocator is filled
 // with NaN before each CUDA call so any output element a kernel skips shows up.
 #ifdef VQAD_WITH_TORCH_CUDA
 
@@ -62,15 +62,17 @@ struct Case {
   torch::ScalarType dtype;
   AttnQatBwdMode mode;
   float q_scale;  // > 1 sharpens the softmax
+  int64_t head_dim = 128;
 };
 
 void expect_cuda_matches_cpu(const Case& c, uint64_t seed) {
   SCOPED_TRACE("B=" + std::to_string(c.batch) + " Lq=" + std::to_string(c.len_q) + " Lkv=" +
                std::to_string(c.len_kv) + " H=" + std::to_string(c.heads) + " dtype=" +
                std::string(c10::toString(c.dtype)) + " mode=" +
-               (c.mode == AttnQatBwdMode::kFastVideo ? "fastvideo" : "consistent"));
+               (c.mode == AttnQatBwdMode::kFastVideo ? "fastvideo" : "consistent") + " D=" +
+               std::to_string(c.head_dim));
   torch::manual_seed(seed);
-  const int64_t D = 128;
+  const int64_t D = c.head_dim;
   const torch::Tensor q = (torch::randn({c.batch, c.len_q, c.heads, D}) * c.q_scale).to(c.dtype);
   const torch::Tensor k = torch::randn({c.batch, c.len_kv, c.heads, D}).to(c.dtype);
   const torch::Tensor v = torch::randn({c.batch, c.len_kv, c.heads, D}).to(c.dtype);
@@ -184,14 +186,20 @@ TEST(AttentionQatOpCuda, QuantizationOffMatchesSoftmaxMath) {
   EXPECT_GT(rel_l2(o_qat, of), 1e-2);
 }
 
-TEST(AttentionQatOpCuda, HeadDim64IsAClearError) {
+TEST(AttentionQatOpCuda, HeadDim64MatchesCpuOp) {
+  require_gpu();
+  expect_cuda_matches_cpu({2, 300, 211, 3, torch::kBFloat16, AttnQatBwdMode::kConsistent, 1.0f, 64}, 31);
+  expect_cuda_matches_cpu({1, 97, 520, 2, torch::kFloat32, AttnQatBwdMode::kFastVideo, 2.0f, 64}, 32);
+}
+
+TEST(AttentionQatOpCuda, HeadDim96IsAClearError) {
   require_gpu();
   const auto bf = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
-  const torch::Tensor q = torch::randn({1, 64, 2, 64}, bf);
+  const torch::Tensor q = torch::randn({1, 64, 2, 96}, bf);
   const std::string msg = error_of([&] { (void)vqad::ops::attention_qat(q, q, q); });
-  EXPECT_NE(msg.find("head_dim 128"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("found head_dim 64"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("[1, 64, 2, 64]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("head_dim 64 or 128"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("found head_dim 96"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[1, 64, 2, 96]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("cuda"), std::string::npos) << msg;
 }
 

@@ -20,6 +20,11 @@ struct AttnQatOptions {
 
 AttnQatBwdMode parse_attn_qat_bwd_mode(const std::string& s);  // "consistent" | "fastvideo"
 
+// Whether the CUDA kernels take this head dimension (64 or 128); the CPU path takes any
+// multiple of 16. The same list as kernels/attention/attention_qat.h's
+// attn_qat_head_dim_supported (attention_qat_cuda.cpp asserts it).
+constexpr bool attention_qat_cuda_head_dim_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
 // q [B, Lq, H, D], k/v [B, Lkv, H, D] (BLHD, any strides); returns o [B, Lq, H, D]
 // in q's dtype. Differentiable with respect to q, k, v (straight-through).
 torch::Tensor attention_qat(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

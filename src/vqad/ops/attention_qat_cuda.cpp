@@ -23,6 +23,14 @@ namespace kb = vqad::kernels;
 
 constexpr const char* kOp = "attention_qat (ATTN_QAT_TRAIN, CUDA)";
 
+// The op's list (attention_qat_cuda_head_dim_supported) is the kernels' list.
+constexpr bool head_dim_lists_agree() {
+  for (int64_t d = 0; d <= 512; ++d)
+    if (attention_qat_cuda_head_dim_supported(d) != ka::attn_qat_head_dim_supported(d)) return false;
+  return true;
+}
+static_assert(head_dim_lists_agree(), "ops and kernels disagree on the supported head dims");
+
 std::string device_str(const torch::Tensor& t) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.get_device());
   std::ostringstream os;
@@ -51,8 +59,8 @@ void check_supported(const torch::Tensor& q, const torch::Tensor& k, const torch
   VQAD_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() &&
                  q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3),
              kOp, ": expected q [B, Lq, H, D] and k, v [B, Lkv, H, D], found ", shapes);
-  VQAD_CHECK(q.size(3) == ka::kAttnQatHeadDim, kOp, ": the CUDA kernels need head_dim ",
-             ka::kAttnQatHeadDim, ", found head_dim ", q.size(3), " (", shapes, ") on ",
+  VQAD_CHECK(attention_qat_cuda_head_dim_supported(q.size(3)), kOp, ": the CUDA kernels need head_dim 64 or 128, found head_dim ",
+             q.size(3), " (", shapes, ") on ",
              device_str(q), "; there is no fallback to another attention path");
   VQAD_CHECK(opts.block_n == ka::kAttnQatBlockN, kOp, ": block_n ", opts.block_n,
              " is not supported, the CUDA forward kernel quantizes P over KV tiles of ",

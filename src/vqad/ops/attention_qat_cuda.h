@@ -21,7 +21,7 @@ struct AttnQatCudaForward {
 
 // q [B, Lq, H, D], k/v [B, Lkv, H, D] on one CUDA device, any floating dtype (cast
 // to BF16 first), BLHD views with any strides. Errors name device, arch and shape
-// when the device is not sm_90, D != 128 or opts.block_n != the kernel's BLOCK_N.
+// when the device is not sm_90, D is not 64 or 128, or opts.block_n != the kernel's BLOCK_N.
 AttnQatCudaForward attention_qat_cuda_forward(const torch::Tensor& q, const torch::Tensor& k,
                                               const torch::Tensor& v, const AttnQatOptions& opts);
 

@@ -24,6 +24,7 @@
 #include "vqad/dist/ulysses.h"
 #include "vqad/dist/memory.h"
 #include "vqad/model/wan/model.h"
+#include "vqad/ops/attention_qat.h"
 #include "vqad/core/signals.h"
 #include "vqad/train/batch_log.h"
 #include "vqad/train/checkpoint_dir.h"
@@ -133,17 +134,16 @@ Trainer::Trainer(RunConfig run, TrainerOptions options)
     ro.seed = seed++;
     roles_[name] = build_role(run_, name, ro);
   }
-  // The CUDA attention kernels (kernels/attention/attention_qat.h) take head_dim 128 only:
-  // refuse other models here rather than at the first attention call of the first step.
-  constexpr int64_t kCudaAttnQatHeadDim = 128;
+  // The CUDA attention kernels take head_dim 64 or 128: refuse other models here rather
+  // than at the first attention call of the first step.
   if (options_.device.is_cuda()) {
     for (const auto& [name, role] : roles_) {
       const auto b = role->config.attention_backend;
       const int64_t hd = role->model->config().attention_head_dim;
-      VQAD_CHECK(b != AttentionBackend::kAttnQatTrain || hd == kCudaAttnQatHeadDim, "models.", name,
-                 ".attention_backend ATTN_QAT_TRAIN on ", options_.device.str(), ": the CUDA kernels support head_dim ",
-                 kCudaAttnQatHeadDim, " only, but this model has attention_head_dim ", hd,
-                 " (use a model with 128-channel heads, e.g. random:tiny-hd128 for a tiny run)");
+      VQAD_CHECK(b != AttentionBackend::kAttnQatTrain || ops::attention_qat_cuda_head_dim_supported(hd), "models.",
+                 name, ".attention_backend ATTN_QAT_TRAIN on ", options_.device.str(),
+                 ": the CUDA kernels support head_dim 64 or 128, but this model has attention_head_dim ", hd,
+                 " (use a model with 64- or 128-channel heads, e.g. random:tiny-hd128 for a tiny run)");
     }
   }
   if (tc.distributed.sp_size > 1) {

@@ -26,8 +26,9 @@ namespace vqad::kernels::attention {
 inline constexpr int kAttnQatBlockN = 128;
 // Query rows per CTA of the forward kernel.
 inline constexpr int kAttnQatBlockM = 128;
-// The only head dimension the kernels support.
-inline constexpr int kAttnQatHeadDim = 128;
+// The head dimensions the kernels support (forward and backward; the VSA visit-list
+// kernels: 128 only).
+constexpr bool attn_qat_head_dim_supported(int64_t d) { return d == 64 || d == 128; }
 
 // Every BLHD view below: head dim contiguous, the other strides multiples of 8
 // elements and a 16-byte aligned start (16-byte vector loads; check_blhd). The

@@ -21,7 +21,7 @@
 // at key 0 (a tail group uses only its valid keys), independent of any BLOCK_N.
 //
 // Layout: BLHD views (kernels/common/launch.h) with element strides for b, l, h; the
-// head dim (D = 128) is contiguous; every row start must be 16-byte aligned.
+// head dim (D = 64 or 128) is contiguous; every row start must be 16-byte aligned.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -46,7 +46,7 @@ enum class AttnQatBwdImpl { kAuto, kMmaSync, kWgmma };
 const char* attn_qat_bwd_impl_name(AttnQatBwdImpl i);
 
 struct AttnQatBwdParams {
-  int batch = 0, heads = 0, len_q = 0, len_kv = 0, head_dim = 128;
+  int batch = 0, heads = 0, len_q = 0, len_kv = 0, head_dim = 128;  // 64 or 128
   float softmax_scale = 0.0f;  // 0 -> 1/sqrt(head_dim)
   AttnQatBwdPMode p_mode = AttnQatBwdPMode::kConsistent;
   AttnQatBwdImpl impl = AttnQatBwdImpl::kAuto;

@@ -74,7 +74,7 @@ constexpr int kTileElems = kBT * kD;   // one 64 x 128 tile
 static_assert(kVsaTileBlocksC64 == 1, "fine_fwd_kernel updates the running max once per visited block");
 static_assert(kVsaTileBlocksC128 == attention::kAttnQatVisitTileBlocks &&
                   attention::kAttnQatVisitBlockRows == kBT && attention::kAttnQatBlockM == 2 * kBT &&
-                  attention::kAttnQatHeadDim == kD,
+                  attention::kAttnQatVisitHeadDim == kD,
               "the C128 forward is the attention visit-list kernel: 128 query rows = one cube, 2 blocks per tile");
 
 // Element offset of (row, 16-byte chunk) in a [rows][128] bf16 tile whose chunks are
@@ -925,6 +925,7 @@ void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* 
   attn_bwd::KernelParams kp{};
   kp.B = c.batch;
   kp.H = c.heads;
+  kp.D = kD;
   kp.Lq = kp.Lkv = static_cast<int>(P);
   kp.scale = fp.scale;
   kp.c = fp.c;

@@ -10,7 +10,7 @@
 //                 query row (see fq_columns16x64), and P^T / dS^T are already in
 //                 the A-operand layout of dV += Pb^T dO and dK += dS^T Q.
 //   dq_kernel:    CTA = 16*NW queries, loops over all key blocks.
-// Shared tiles: cp.async double buffering, rows of 128 bf16 whose 16-byte chunks
+// Shared tiles: cp.async double buffering, rows of D (64 or 128) bf16 whose 16-byte chunks
 // are XOR-swizzled by (row & 7) so that every ldmatrix phase is conflict-free.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "vqad/core/error.h"
 #include "vqad/kernels/attention/attention_qat_bwd.h"
@@ -31,11 +32,12 @@ namespace vqad::kernels {
 namespace attn_bwd {
 namespace {
 
-constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks per smem row
 constexpr float kLog2e = 1.4426950408889634f;
 
+// Element offset of (row, 16-byte chunk) in a tile of rows of D bf16.
+template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
-  return row * kD + ((chunk ^ (row & 7)) << 3);
+  return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
@@ -57,25 +59,30 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Loads ROWS x 128 bf16 rows [row0, row0 + ROWS) of (b, h) into a swizzled tile;
+// Loads ROWS x D bf16 rows [row0, row0 + ROWS) of (b, h) into a swizzled tile;
 // rows at or beyond `len` are zero-filled.
-template <int ROWS, int NT>
+template <int ROWS, int NT, int D>
 __device__ __forceinline__ void load_tile(bf16* dst, const InTensor& t, int b, int h, int row0,
                                           int len, int tid) {
+  constexpr int kChunksPerRow = D / 8;
   const bf16* base = t.p + b * t.sb + h * t.sh;
 #pragma unroll
   for (int i = tid; i < ROWS * kChunksPerRow; i += NT) {
     const int r = i / kChunksPerRow, ch = i % kChunksPerRow;
     const int gr = row0 + r;
     const bool ok = gr < len;
-    cp_async16(dst + swz(r, ch), base + static_cast<int64_t>(ok ? gr : 0) * t.sl + ch * 8, ok);
+    cp_async16(dst + swz<D>(r, ch), base + static_cast<int64_t>(ok ? gr : 0) * t.sl + ch * 8, ok);
   }
 }
 
 // ---------------------------------------------------------------------------
-// Row statistics pre-pass: one warp per query row.
+// Row statistics pre-pass: one warp per query row, D / 32 channels per lane.
 // ---------------------------------------------------------------------------
+template <int D>
 __global__ void __launch_bounds__(256) stats_kernel(const KernelParams p) {
+  constexpr int kPerLane = D / 32;
+  using Vec = typename std::conditional<kPerLane == 4, uint2, uint32_t>::type;
+  static_assert(kPerLane == 2 || kPerLane == 4, "stats_kernel: D is 64 or 128");
   const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   const int64_t total = static_cast<int64_t>(p.B) * p.H * p.Lq;
@@ -85,13 +92,13 @@ __global__ void __launch_bounds__(256) stats_kernel(const KernelParams p) {
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.Lq) * p.H));
   const bf16* dop = p.dout.p + b * p.dout.sb + static_cast<int64_t>(i) * p.dout.sl + h * p.dout.sh;
   const bf16* ohp = p.ohp.p + b * p.ohp.sb + static_cast<int64_t>(i) * p.ohp.sl + h * p.ohp.sh;
-  const uint2 dv = *reinterpret_cast<const uint2*>(dop + lane * 4);
-  const uint2 ov = *reinterpret_cast<const uint2*>(ohp + lane * 4);
+  const Vec dv = *reinterpret_cast<const Vec*>(dop + lane * kPerLane);
+  const Vec ov = *reinterpret_cast<const Vec*>(ohp + lane * kPerLane);
   const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&dv);
   const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&ov);
   float acc = 0.0f;
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
+  for (int e = 0; e < kPerLane / 2; ++e) {
     const float2 df = __bfloat1622float2(d2[e]);
     const float2 of = __bfloat1622float2(o2[e]);
     acc = fmaf(df.x, of.x, acc);
@@ -110,13 +117,14 @@ __global__ void __launch_bounds__(256) stats_kernel(const KernelParams p) {
 // ---------------------------------------------------------------------------
 // dK, dV
 // ---------------------------------------------------------------------------
-template <int NW, int BQ>
+template <int NW, int BQ, int D>
 constexpr size_t dkdv_smem_bytes() {
-  return (2 * (NW * 16) * kD + 2 * 2 * BQ * kD) * sizeof(bf16) + 2 * BQ * sizeof(float4);
+  return (2 * (NW * 16) * D + 2 * 2 * BQ * D) * sizeof(bf16) + 2 * BQ * sizeof(float4);
 }
 
-template <int NW, int BQ, AttnQatBwdPMode MODE>
+template <int NW, int BQ, AttnQatBwdPMode MODE, int D>
 __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) {
+  constexpr int kD = D;
   constexpr int BN = NW * 16;
   constexpr int NT = NW * 32;
   constexpr int QT = BQ / 8;  // n-tiles of 8 queries
@@ -131,13 +139,13 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
   const int g = lane >> 2, t4 = lane & 3;
   const int b = blockIdx.z, h = blockIdx.y, kv0 = blockIdx.x * BN;
 
-  load_tile<BN, NT>(sK, p.k, b, h, kv0, p.Lkv, tid);
-  load_tile<BN, NT>(sV, p.v, b, h, kv0, p.Lkv, tid);
+  load_tile<BN, NT, kD>(sK, p.k, b, h, kv0, p.Lkv, tid);
+  load_tile<BN, NT, kD>(sV, p.v, b, h, kv0, p.Lkv, tid);
   const float4* st_bh = p.stats + (static_cast<int64_t>(b) * p.H + h) * p.Lq;
   auto load_q_block = [&](int qb, int stage) {
     const int q0 = qb * BQ;
-    load_tile<BQ, NT>(sQ + stage * BQ * kD, p.q, b, h, q0, p.Lq, tid);
-    load_tile<BQ, NT>(sdO + stage * BQ * kD, p.dout, b, h, q0, p.Lq, tid);
+    load_tile<BQ, NT, kD>(sQ + stage * BQ * kD, p.q, b, h, q0, p.Lq, tid);
+    load_tile<BQ, NT, kD>(sdO + stage * BQ * kD, p.dout, b, h, q0, p.Lq, tid);
     for (int i = tid; i < BQ; i += NT) {
       const bool ok = q0 + i < p.Lq;
       cp_async16(&sSt[stage * BQ + i], st_bh + (ok ? q0 + i : 0), ok);
@@ -146,9 +154,9 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
   load_q_block(0, 0);
   cp_async_commit();
 
-  float dk[16][4], dv[16][4];
+  float dk[kD / 8][4], dv[kD / 8][4];
 #pragma unroll
-  for (int n = 0; n < 16; ++n)
+  for (int n = 0; n < kD / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
@@ -180,11 +188,11 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t ak[4], av[4];
-      ldsm_x4(ak, sK + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-      ldsm_x4(av, sV + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      ldsm_x4(ak, sK + swz<kD>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      ldsm_x4(av, sV + swz<kD>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
       for (int nn = 0; nn < BQ / 16; ++nn) {
-        const int off = swz(nn * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1));
+        const int off = swz<kD>(nn * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1));
         uint32_t bq[4], bd[4];
         ldsm_x4(bq, cQ + off);
         ldsm_x4(bd, cdO + off);
@@ -207,7 +215,7 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
       const uint32_t(&ads)[4] = ads_all[kq];
 #pragma unroll
       for (int dn = 0; dn < kD / 16; ++dn) {
-        const int off = swz(kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dn * 2 + (lane >> 4));
+        const int off = swz<kD>(kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dn * 2 + (lane >> 4));
         uint32_t bd[4], bq[4];
         ldsm_x4_trans(bd, cdO + off);
         ldsm_x4_trans(bq, cQ + off);
@@ -223,7 +231,7 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
   bf16* dk_base = p.dk.p + b * p.dk.sb + h * p.dk.sh;
   bf16* dv_base = p.dv.p + b * p.dv.sb + h * p.dv.sh;
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
+  for (int n = 0; n < kD / 8; ++n) {
     const int col = n * 8 + 2 * t4;
     if (key_ok0) {
       const int64_t o = static_cast<int64_t>(key_row0) * p.dk.sl + col;
@@ -243,13 +251,14 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
 // ---------------------------------------------------------------------------
 // dQ
 // ---------------------------------------------------------------------------
-template <int NW, int BKV>
+template <int NW, int BKV, int D>
 constexpr size_t dq_smem_bytes() {
-  return (2 * (NW * 16) * kD + 2 * 2 * BKV * kD) * sizeof(bf16);
+  return (2 * (NW * 16) * D + 2 * 2 * BKV * D) * sizeof(bf16);
 }
 
-template <int NW, int BKV>
+template <int NW, int BKV, int D>
 __global__ void __launch_bounds__(NW * 32, 1) dq_kernel(const KernelParams p) {
+  constexpr int kD = D;
   constexpr int BM = NW * 16;
   constexpr int NT = NW * 32;
   constexpr int KT = BKV / 8;  // n-tiles of 8 keys
@@ -263,12 +272,12 @@ __global__ void __launch_bounds__(NW * 32, 1) dq_kernel(const KernelParams p) {
   const int g = lane >> 2, t4 = lane & 3;
   const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BM;
 
-  load_tile<BM, NT>(sQ, p.q, b, h, q0, p.Lq, tid);
-  load_tile<BM, NT>(sdO, p.dout, b, h, q0, p.Lq, tid);
+  load_tile<BM, NT, kD>(sQ, p.q, b, h, q0, p.Lq, tid);
+  load_tile<BM, NT, kD>(sdO, p.dout, b, h, q0, p.Lq, tid);
   cp_async_commit();
   auto load_kv_block = [&](int kb, int stage) {
-    load_tile<BKV, NT>(sK + stage * BKV * kD, p.k, b, h, kb * BKV, p.Lkv, tid);
-    load_tile<BKV, NT>(sV + stage * BKV * kD, p.v, b, h, kb * BKV, p.Lkv, tid);
+    load_tile<BKV, NT, kD>(sK + stage * BKV * kD, p.k, b, h, kb * BKV, p.Lkv, tid);
+    load_tile<BKV, NT, kD>(sV + stage * BKV * kD, p.v, b, h, kb * BKV, p.Lkv, tid);
   };
   load_kv_block(0, 0);
   cp_async_commit();
@@ -284,13 +293,13 @@ __global__ void __launch_bounds__(NW * 32, 1) dq_kernel(const KernelParams p) {
   uint32_t qf[kD / 16][4], df[kD / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
-    ldsm_x4(qf[kk], sQ + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-    ldsm_x4(df[kk], sdO + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+    ldsm_x4(qf[kk], sQ + swz<kD>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+    ldsm_x4(df[kk], sdO + swz<kD>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
   }
 
-  float dq[16][4];
+  float dq[kD / 8][4];
 #pragma unroll
-  for (int n = 0; n < 16; ++n)
+  for (int n = 0; n < kD / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
 
@@ -317,7 +326,7 @@ __global__ void __launch_bounds__(NW * 32, 1) dq_kernel(const KernelParams p) {
     for (int kk = 0; kk < kD / 16; ++kk) {
 #pragma unroll
       for (int nn = 0; nn < BKV / 16; ++nn) {
-        const int off = swz(nn * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1));
+        const int off = swz<kD>(nn * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1));
         uint32_t bk[4], bv[4];
         ldsm_x4(bk, cK + off);
         ldsm_x4(bv, cV + off);
@@ -351,7 +360,7 @@ __global__ void __launch_bounds__(NW * 32, 1) dq_kernel(const KernelParams p) {
 #pragma unroll
       for (int dn = 0; dn < kD / 16; ++dn) {
         uint32_t bk[4];
-        ldsm_x4_trans(bk, cK + swz(kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+        ldsm_x4_trans(bk, cK + swz<kD>(kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
                                    dn * 2 + (lane >> 4)));
         mma_bf16(dq[2 * dn], ads, bk[0], bk[1]);
         mma_bf16(dq[2 * dn + 1], ads, bk[2], bk[3]);
@@ -362,7 +371,7 @@ __global__ void __launch_bounds__(NW * 32, 1) dq_kernel(const KernelParams p) {
 
   bf16* dq_base = p.dq.p + b * p.dq.sb + h * p.dq.sh;
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
+  for (int n = 0; n < kD / 8; ++n) {
     const int col = n * 8 + 2 * t4;
     if (row0 < p.Lq)
       *reinterpret_cast<uint32_t*>(dq_base + static_cast<int64_t>(row0) * p.dq.sl + col) =
@@ -410,10 +419,12 @@ void set_smem(Kernel kernel, size_t bytes, const DeviceInfo& dev, const KernelPa
 
 }  // namespace
 
-void launch_mma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
-                        cudaStream_t stream) {
+namespace {
+template <int D>
+void launch_mma_kernels_d(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
+                          cudaStream_t stream) {
   {
-    constexpr size_t smem = dkdv_smem_bytes<kDkdvWarps, kDkdvQueryTile>();
+    constexpr size_t smem = dkdv_smem_bytes<kDkdvWarps, kDkdvQueryTile, D>();
     const dim3 grid((kp.Lkv + kAttnQatBwdKeysPerCta - 1) / kAttnQatBwdKeysPerCta, kp.H, kp.B);
     auto launch = [&](auto kernel) {
       set_smem(kernel, smem, dev, kp);
@@ -421,25 +432,34 @@ void launch_mma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const Devi
     };
     switch (mode) {
       case AttnQatBwdPMode::kConsistent:
-        launch(dkdv_kernel<kDkdvWarps, kDkdvQueryTile, AttnQatBwdPMode::kConsistent>);
+        launch(dkdv_kernel<kDkdvWarps, kDkdvQueryTile, AttnQatBwdPMode::kConsistent, D>);
         break;
       case AttnQatBwdPMode::kFastVideo:
-        launch(dkdv_kernel<kDkdvWarps, kDkdvQueryTile, AttnQatBwdPMode::kFastVideo>);
+        launch(dkdv_kernel<kDkdvWarps, kDkdvQueryTile, AttnQatBwdPMode::kFastVideo, D>);
         break;
       case AttnQatBwdPMode::kNone:
-        launch(dkdv_kernel<kDkdvWarps, kDkdvQueryTile, AttnQatBwdPMode::kNone>);
+        launch(dkdv_kernel<kDkdvWarps, kDkdvQueryTile, AttnQatBwdPMode::kNone, D>);
         break;
     }
     VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdv_kernel");
   }
   {
-    constexpr size_t smem = dq_smem_bytes<kDqWarps, kDqKeyTile>();
+    constexpr size_t smem = dq_smem_bytes<kDqWarps, kDqKeyTile, D>();
     const dim3 grid((kp.Lq + kAttnQatBwdQueriesPerCta - 1) / kAttnQatBwdQueriesPerCta, kp.H, kp.B);
-    auto kernel = dq_kernel<kDqWarps, kDqKeyTile>;
+    auto kernel = dq_kernel<kDqWarps, kDqKeyTile, D>;
     set_smem(kernel, smem, dev, kp);
     kernel<<<grid, kDqWarps * 32, smem, stream>>>(kp);
     VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_kernel");
   }
+}
+}  // namespace
+
+void launch_mma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const DeviceInfo& dev,
+                        cudaStream_t stream) {
+  if (kp.D == 64)
+    launch_mma_kernels_d<64>(kp, mode, dev, stream);
+  else
+    launch_mma_kernels_d<128>(kp, mode, dev, stream);
 }
 
 }  // namespace attn_bwd
@@ -474,7 +494,7 @@ size_t attn_qat_bwd_workspace_bytes(const AttnQatBwdParams& p) {
 void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
   using namespace attn_bwd;
   const auto shape = [&] { return shape_str(p); };
-  VQAD_LAUNCH_CHECK(p.head_dim == kD, kOp, shape(), "expected head dim ", kD, ", found ", p.head_dim);
+  VQAD_LAUNCH_CHECK(bwd_head_dim_ok(p.head_dim), kOp, shape(), "expected head dim 64 or 128, found ", p.head_dim);
   VQAD_LAUNCH_CHECK(p.batch >= 1 && p.heads >= 1 && p.len_q >= 1 && p.len_kv >= 1, kOp, shape(),
                     "unsupported shape: expected batch, heads and lengths >= 1");
   VQAD_LAUNCH_CHECK(p.batch <= 65535 && p.heads <= 65535, kOp, shape(),
@@ -516,7 +536,8 @@ void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
   kp.H = p.heads;
   kp.Lq = p.len_q;
   kp.Lkv = p.len_kv;
-  kp.scale = p.softmax_scale > 0.0f ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(kD));
+  kp.D = p.head_dim;
+  kp.scale = p.softmax_scale > 0.0f ? p.softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
   kp.c = kp.scale * kLog2e;
   auto in = [](const BlhdIn& t) {
     return InTensor{static_cast<const bf16*>(t.data), t.stride.b, t.stride.l, t.stride.h};
@@ -548,7 +569,10 @@ void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
 
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.len_q;
   VQAD_LAUNCH_CHECK((rows + 7) / 8 <= 0x7fffffff, kOp, shape(), "expected at most 2^34 query rows, found ", rows);
-  stats_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(kp);
+  if (p.head_dim == 64)
+    stats_kernel<64><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(kp);
+  else
+    stats_kernel<128><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(kp);
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd stats_kernel");
 
   if (impl == AttnQatBwdImpl::kWgmma) {

@@ -19,7 +19,9 @@
 
 namespace vqad::kernels::attn_bwd {
 
-constexpr int kD = 128;
+// Head dims of the kernels: 64 and 128 (template parameter D of the dense kernels); the
+// visit-list kernels take 128 (attention::kAttnQatVisitHeadDim).
+constexpr bool bwd_head_dim_ok(int d) { return d == 64 || d == 128; }
 using bf16 = __nv_bfloat16;
 
 struct InTensor {
@@ -33,6 +35,7 @@ struct OutTensor {
 
 struct KernelParams {
   int B, H, Lq, Lkv;
+  int D;  // head dim, bwd_head_dim_ok
   float scale, c;  // c = scale * log2(e)
   InTensor q, k, v, dout, ohp;
   const float* m;
@@ -40,7 +43,8 @@ struct KernelParams {
   OutTensor dq, dk, dv;
   float4* stats;  // [B, H, Lq]: {m, 1/l, delta, 0}
   // Ordered dQ accumulation of the wgmma kernels (dq_accum_layout below):
-  // fp32 partial sums [groups][B*H][query blocks of 64][64 x 128] and one
+  // fp32 partial sums [groups][B*H][query blocks of 64][8192] (64 x 128 at D = 128;
+  // two 64-key parts of 64 x 64 at D = 64) and one
   // counter per (b*h, group, query block).
   float* dq_acc;
   int* dq_sem;
@@ -53,7 +57,7 @@ struct KernelParams {
 
 // The call's shape for launch errors (kernels/common/launch.h).
 inline std::string kernel_shape_str(const KernelParams& kp) {
-  return attention_shape_str(kp.B, kp.H, kp.Lq, kp.Lkv, kD);
+  return attention_shape_str(kp.B, kp.H, kp.Lq, kp.Lkv, kp.D);
 }
 
 // dQ accumulation of the sm_90 backward (spec: deterministic). The dK/dV CTA of
@@ -113,9 +117,9 @@ inline DkdvSplitPlan dkdv_split_plan(int64_t batch_heads, int kv_blocks, int len
 
 // Workspace of the wgmma kernels, in byte offsets from its start: the [B, H, Lq] float4
 // row statistics (padded to 256 bytes), the dQ partial sums [groups][B*H][query
-// blocks][64 x 128] fp32, their turn counters (padded to 16 bytes) and the tail split's
-// fp32 dK / dV parts [tail][parts][2][128 x 128]. The mma.sync kernels use the
-// statistics only.
+// blocks][8192] fp32, their turn counters (padded to 16 bytes) and the tail split's
+// fp32 dK / dV parts [tail][parts][2][128 x 128] (at D = 64 the first half of each part
+// is used). The mma.sync kernels use the statistics only.
 struct WgmmaWorkspace {
   size_t stats = 0;        // bytes of the statistics (unpadded)
   size_t dq_acc = 0, dq_sem = 0, dkv_part = 0, total = 0;  // offsets, total size

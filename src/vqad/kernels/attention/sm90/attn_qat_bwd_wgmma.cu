@@ -7,10 +7,11 @@
 // dK/dV: CTA = 2 warpgroups x 64 keys; per query block of 64:
 //   S^T = K Q^T, dP^T = V dO^T   (m64n64k16, A = K/V tile, B = Q/dO tile, both K-major)
 //   P fake quantization in registers (dkdv_phase1/2, shared with mma.sync)
-//   dV += Pb^T dO, dK += dS^T Q  (m64n128k16, A from registers, B = dO/Q tile N-major)
+//   dV += Pb^T dO, dK += dS^T Q  (m64nDk16, A from registers, B = dO/Q tile N-major)
 //   dQ_i partial = dS K_j        (dkdvq_wgmma_kernel: the warps store dS^T to shared
-//     memory; warpgroup w computes head-dim half w over all 128 keys, m64n64k16 with
-//     A = dS^T read transposed; the fp32 partial goes to global memory by one bulk
+//     memory; at D = 128 warpgroup w computes head-dim half w over all 128 keys, at
+//     D = 64 all 64 columns over its own 64 keys (two parts, added by the finalize pass),
+//     m64n64k16 with A = dS^T read transposed; the fp32 partial goes to global memory by one bulk
 //     reduction per block, in a fixed order: see dq_accum_groups in
 //     attn_qat_bwd_common.cuh; dq_finalize_kernel adds the groups). 5 GEMMs.
 // The CTAs of a last partial wave are split over query ranges (dkdv_split_plan,
@@ -23,7 +24,8 @@
 // blocks): S = Q K^T, dP = dO V^T (m64n128k16), dQ += dS K (m64n128k16, B = K tile
 // N-major); one launch (fused_visit_kernel), dK/dV CTAs first.
 //
-// Shared tiles hold rows of 128 bf16 as two 64-column halves ([half][row][64]),
+// Head dim D = 128 or 64 for the dense kernels (template parameter), 128 for the visit
+// lists. Shared tiles hold rows of D bf16 as 64-column halves ([half][row][64]),
 // each row 128 bytes with its 16-byte chunks XOR-swizzled by (row & 7): the
 // canonical 128B-swizzle layout of wgmma, both as a K-major operand (k = head
 // dim) and as an N-major one (n = head dim, k = rows).
@@ -32,6 +34,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "vqad/core/error.h"
 #include "vqad/kernels/attention/sm90/attn_qat_bwd_common.cuh"
@@ -44,6 +47,8 @@ namespace {
 
 using attention::kAttnQatVisitBlockRows;
 using attention::kAttnQatVisitCountBits;
+// The visit-list kernels' head dim.
+constexpr int kVisitD = attention::kAttnQatVisitHeadDim;
 
 // wgmma exists only in the arch-specific sm_90a target; the kernels are empty elsewhere
 // (the launchers refuse other devices).
@@ -59,21 +64,22 @@ __device__ __forceinline__ uint32_t sw128(int row, int chunk, int rows) {
   return (chunk >> 3) * rows * kRowBytes + row * kRowBytes + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
-template <int ROWS, int NT>
+template <int ROWS, int NT, int D>
 __device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const InTensor& t, int b, int h,
                                                 int row0, int len, int tid) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
   const bf16* base = t.p + b * t.sb + h * t.sh;
 #pragma unroll
-  for (int i = tid; i < ROWS * 16; i += NT) {
-    const int r = i / 16, ch = i % 16;
+  for (int i = tid; i < ROWS * kChunks; i += NT) {
+    const int r = i / kChunks, ch = i % kChunks;
     const int gr = row0 + r;
     const bool ok = gr < len;
     cp_async16(dst + sw128(r, ch, ROWS), base + static_cast<int64_t>(ok ? gr : 0) * t.sl + ch * 8, ok);
   }
 }
 
-// One 64-row block (visit entry e = (block << 7) | valid rows) into rows
-// [half * 64, half * 64 + 64) of a ROWS-row swizzled tile; rows past the valid count
+// One 64-row block (visit entry e = (block << 7) | valid rows) of kVisitD channels into
+// rows [half * 64, half * 64 + 64) of a ROWS-row swizzled tile; rows past the valid count
 // are zero-filled.
 template <int ROWS, int NT>
 __device__ __forceinline__ void load_block_sw128(uint8_t* dst, const InTensor& t, int b, int h, int e,
@@ -81,8 +87,8 @@ __device__ __forceinline__ void load_block_sw128(uint8_t* dst, const InTensor& t
   const bf16* base = t.p + b * t.sb + h * t.sh;
   const int blk = e >> kAttnQatVisitCountBits, n = e & ((1 << kAttnQatVisitCountBits) - 1);
 #pragma unroll
-  for (int i = tid; i < kAttnQatVisitBlockRows * 16; i += NT) {
-    const int r = i / 16, ch = i % 16;
+  for (int i = tid; i < kAttnQatVisitBlockRows * (kVisitD / 8); i += NT) {
+    const int r = i / (kVisitD / 8), ch = i % (kVisitD / 8);
     const bool ok = r < n;
     cp_async16(dst + sw128(half * kAttnQatVisitBlockRows + r, ch, ROWS),
                base + static_cast<int64_t>(ok ? blk * kAttnQatVisitBlockRows + r : 0) * t.sl + ch * 8, ok);
@@ -101,8 +107,8 @@ __device__ __forceinline__ uint64_t desc_kmajor(uint32_t tile, int rows, int row
   return gmma_desc(tile + (kk >> 2) * rows * kRowBytes + row0 * kRowBytes + (kk & 3) * 32, 16,
                    1024);
 }
-// N-major B operand (n = the 128 head-dim columns, k = 16 tile rows from krow0):
-// the two 64-column halves are `rows * 128` bytes apart (LBO), 8-row groups 1024 B (SBO).
+// N-major B operand (n = the D head-dim columns, k = 16 tile rows from krow0):
+// 64-column halves `rows * 128` bytes apart (LBO; D = 64 has one), 8-row groups 1024 B (SBO).
 __device__ __forceinline__ uint64_t desc_nmajor(uint32_t tile, int rows, int krow0) {
   return gmma_desc(tile + krow0 * kRowBytes, rows * kRowBytes, 1024);
 }
@@ -119,6 +125,7 @@ using sm90::wgmma_fence;
 using sm90::wgmma_m64n128k16_rs;
 using sm90::wgmma_m64n128k16_ss;
 using sm90::wgmma_m64n64k16_ss;
+using sm90::wgmma_m64nNk16_rs;
 using sm90::wgmma_wait;
 // Back-off of the turn wait (32, 128 and 512 ns measured the same at (1,3,31200)).
 constexpr unsigned kTurnSleepNs = 32;
@@ -152,21 +159,26 @@ constexpr int kStages = 2;
 
 // (S, 1/S) per E4M3 scale byte in shared memory (dK/dV kernel, P quantization).
 constexpr size_t kScaleTableBytes = 128 * sizeof(float2);
-constexpr size_t kDkdvSmem = 1024 /*alignment slack*/ + 2 * kKeysPerCta * kD * 2 +
-                             kStages * 2 * kQueryTile * kD * 2 +
+template <int D>
+constexpr size_t kDkdvSmem = 1024 /*alignment slack*/ + 2 * kKeysPerCta * D * 2 + kStages * 2 * kQueryTile * D * 2 +
                              kStages * kQueryTile * sizeof(float4) + kScaleTableBytes;
 // With the ordered dQ: + dS^T tile (128 keys x 64 queries, bf16) + the fp32 dQ
-// partial of one query block (64 x 128) staged for the bulk reduction.
+// partial of one query block staged for the bulk reduction: 64 x 128 at D = 128 (each
+// warpgroup one 64-column half over all 128 keys), two 64 x 64 parts at D = 64 (each
+// warpgroup all 64 columns over its own 64 keys; dq_finalize_kernel adds the parts).
 constexpr size_t kDsTileBytes = kKeysPerCta * kQueryTile * 2;
-constexpr size_t kDqStageBytes = kQueryTile * kD * sizeof(float);
+constexpr int kDqStageFloats = kQueryTile * 128;
+constexpr size_t kDqStageBytes = kDqStageFloats * sizeof(float);
 // One staging buffer of the dQ partial: the bulk reduction of block i must finish
 // before the barrier of step i + 1 (it is waited for mid-step).
-constexpr size_t kDkdvqSmem = kDkdvSmem + kDsTileBytes + kDqStageBytes;
-static_assert((kDkdvSmem - 1024) % 1024 == 0, "dS^T tile must start 1024-byte aligned");
+template <int D>
+constexpr size_t kDkdvqSmem = kDkdvSmem<D> + kDsTileBytes + kDqStageBytes;
+static_assert((kDkdvSmem<64> - 1024) % 1024 == 0 && (kDkdvSmem<128> - 1024) % 1024 == 0,
+              "dS^T tile must start 1024-byte aligned");
 
 // Keys per tile of the visit-list dQ kernel: two visited 64-row blocks.
 constexpr int kDqKeyTile = 2 * kQueryTile;
-constexpr size_t kDqSmem = 1024 + 2 * kQueriesPerCta * kD * 2 + kStages * 2 * kDqKeyTile * kD * 2;
+constexpr size_t kDqSmem = 1024 + 2 * kQueriesPerCta * kVisitD * 2 + kStages * 2 * kDqKeyTile * kVisitD * 2;
 
 // Per query block (per warpgroup, 64 keys):
 //   S^T, dP^T issued as two groups; phase 1 (exp2 + P quantization) overlaps
@@ -178,10 +190,12 @@ constexpr size_t kDqSmem = 1024 + 2 * kQueriesPerCta * kD * 2 + kStages * 2 * kD
 // VISIT (launch_wgmma_visit_kernels): the query blocks come from vl's list of this key
 // tile (step i visits block q_entries[i] >> 7), the valid keys of each warpgroup's 64
 // from vl.key_rows; dQ is left to dq_body (the recompute form).
-template <AttnQatBwdPMode MODE, bool VISIT>
+template <AttnQatBwdPMode MODE, bool VISIT, int D>
 __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, int b, int h,
                                           int kv_block, int q_begin = 0, int q_end = -1,
                                           float* part_out = nullptr, const VisitLists* vl = nullptr) {
+  static_assert(!VISIT || D == kVisitD, "the visit-list kernels take kVisitD");
+  constexpr int kD = D;
   constexpr bool kDq = !VISIT;  // ordered dQ partials
   constexpr int kTileK = kKeysPerCta * kD * 2, kTileQ = kQueryTile * kD * 2;
   uint8_t* sK = smem;
@@ -198,13 +212,13 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   const int g = lane >> 2, t4 = lane & 3;
   const int kv0 = kv_block * kKeysPerCta;
 
-  load_tile_sw128<kKeysPerCta, kThreads>(sK, p.k, b, h, kv0, p.Lkv, tid);
-  load_tile_sw128<kKeysPerCta, kThreads>(sV, p.v, b, h, kv0, p.Lkv, tid);
+  load_tile_sw128<kKeysPerCta, kThreads, kD>(sK, p.k, b, h, kv0, p.Lkv, tid);
+  load_tile_sw128<kKeysPerCta, kThreads, kD>(sV, p.v, b, h, kv0, p.Lkv, tid);
   const float4* st_bh = p.stats + (static_cast<int64_t>(b) * p.H + h) * p.Lq;
   auto load_q_block = [&](int qb, int stage) {
     const int q0 = qb * kQueryTile;
-    load_tile_sw128<kQueryTile, kThreads>(sQ + stage * kTileQ, p.q, b, h, q0, p.Lq, tid);
-    load_tile_sw128<kQueryTile, kThreads>(sdO + stage * kTileQ, p.dout, b, h, q0, p.Lq, tid);
+    load_tile_sw128<kQueryTile, kThreads, kD>(sQ + stage * kTileQ, p.q, b, h, q0, p.Lq, tid);
+    load_tile_sw128<kQueryTile, kThreads, kD>(sdO + stage * kTileQ, p.dout, b, h, q0, p.Lq, tid);
     for (int i = tid; i < kQueryTile; i += kThreads) {
       const bool ok = q0 + i < p.Lq;
       cp_async16(&sSt[stage * kQueryTile + i], st_bh + (ok ? q0 + i : 0), ok);
@@ -234,9 +248,9 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     sScale[tid] = make_float2(S, tid == 0 ? 0.0f : __frcp_rn(S));
   }
 
-  float dk[16][4], dv[16][4];
+  float dk[kD / 8][4], dv[kD / 8][4];
 #pragma unroll
-  for (int n = 0; n < 16; ++n)
+  for (int n = 0; n < kD / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
@@ -256,14 +270,14 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   float* dq_part = nullptr;
   int* dq_turn = nullptr;
   if constexpr (kDq) {
-    dq_part = p.dq_acc + (static_cast<int64_t>(grp) * p.B * p.H + bh) * nq * (kQueryTile * kD);
+    dq_part = p.dq_acc + (static_cast<int64_t>(grp) * p.B * p.H + bh) * nq * kDqStageFloats;
     dq_turn = p.dq_sem + (bh * p.dq_groups + grp) * nq;
   }
   // Thread 0 hands block qb's staged partial to the bulk engine once the previous
   // CTA of the chain is done with it, and advances the counter when it completes.
   auto dq_issue = [&](int qb) {
     sem_wait_eq(dq_turn + qb, turn);
-    float* dst = dq_part + static_cast<int64_t>(qb) * (kQueryTile * kD);
+    float* dst = dq_part + static_cast<int64_t>(qb) * kDqStageFloats;
     if (turn == 0) {
       bulk_store(dst, smem_u32(sdQ), static_cast<int>(kDqStageBytes));
     } else {
@@ -330,7 +344,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < 4; ++kq)
-      wgmma_m64n128k16_rs<1>(flat(dv), ap[kq], desc_nmajor(adO, kQueryTile, kq * 16));
+      wgmma_m64nNk16_rs<kD, 1>(flat(dv), ap[kq], desc_nmajor(adO, kQueryTile, kq * 16));
     wgmma_commit();
     wgmma_wait<1>();  // dP^T done; dV may still run
     fence_regs(flat(dp));
@@ -351,23 +365,27 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < 4; ++kq)
-      wgmma_m64n128k16_rs<1>(flat(dk), ads[kq], desc_nmajor(aQ, kQueryTile, kq * 16));
+      wgmma_m64nNk16_rs<kD, 1>(flat(dk), ads[kq], desc_nmajor(aQ, kQueryTile, kq * 16));
     wgmma_commit();
     if constexpr (kDq) {
-      // dQ[64 queries x head-dim half wg] = dS (all 128 keys of the CTA) K: A is the
-      // dS^T tile read transposed (M = queries contiguous), B the K tile's half.
+      // D = 128: dQ[64 queries x head-dim half wg] = dS (all 128 keys of the CTA) K.
+      // D = 64: dQ part wg [64 queries x 64] = dS K over the warpgroup's own 64 keys.
+      // A is the dS^T tile read transposed (M = queries contiguous), B the K tile (half).
       // The reduction issued at the top of this step has had most of the step to
       // finish; it must before the staging buffer is rewritten (after the barrier).
       if (tid == 0 && qb > q_begin) dq_complete(qb - 1);
       named_barrier_sync(1, kThreads);  // both warpgroups' dS^T rows are in place
       float dq[32];
-      const uint32_t adS = smem_u32(sdS), aKh = aK + wg * kKeysPerCta * kRowBytes;
+      constexpr int kDqSteps = kD == 128 ? kKeysPerCta / 16 : 64 / 16;
+      const int kk0 = kD == 128 ? 0 : wg * kDqSteps;
+      const uint32_t adS = smem_u32(sdS), aKh = aK + (kD == 128 ? wg * kKeysPerCta * kRowBytes : 0);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kKeysPerCta / 16; ++kk)
+      for (int i = 0; i < kDqSteps; ++i) {
+        const int kk = kk0 + i;
         wgmma_m64n64k16_ss<1, 1>(dq, gmma_desc(adS + kk * 16 * kRowBytes, kQueryTile * kRowBytes, 1024),
-                                 gmma_desc(aKh + kk * 16 * kRowBytes, kKeysPerCta * kRowBytes, 1024),
-                                 kk > 0);
+                                 gmma_desc(aKh + kk * 16 * kRowBytes, kKeysPerCta * kRowBytes, 1024), i > 0);
+      }
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(flat(dv));
@@ -375,7 +393,8 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
       fence_regs(dq);
       // Staging layout (fp32, 16-byte units): [wg][n-tile j][warp][lane] holds the
       // lane's (row g, cols 8j+2t4, +1) and (row g+8, same cols) of its warp's 16
-      // rows; conflict-free stores, and dq_finalize_kernel knows the mapping.
+      // rows (cols within half wg at D = 128, of part wg at D = 64); conflict-free
+      // stores, and dq_finalize_kernel knows the mapping.
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         sdQ[(wg * 8 + j) * 128 + wq * 32 + lane] =
@@ -400,7 +419,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   if (part_out != nullptr) {  // tail split: fp32 partials, added by dkdv_combine_kernel
     const int r0 = wg * 64 + wq * 16 + g;
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
+    for (int n = 0; n < kD / 8; ++n) {
       const int col = n * 8 + 2 * t4;
       *reinterpret_cast<float2*>(part_out + r0 * kD + col) = make_float2(dk[n][0], dk[n][1]);
       *reinterpret_cast<float2*>(part_out + (r0 + 8) * kD + col) = make_float2(dk[n][2], dk[n][3]);
@@ -413,7 +432,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   bf16* dk_base = p.dk.p + b * p.dk.sb + h * p.dk.sh;
   bf16* dv_base = p.dv.p + b * p.dv.sb + h * p.dv.sh;
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
+  for (int n = 0; n < kD / 8; ++n) {
     const int col = n * 8 + 2 * t4;
     if (key_ok0) {
       *reinterpret_cast<uint32_t*>(dk_base + static_cast<int64_t>(key_row0) * p.dk.sl + col) =
@@ -437,6 +456,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
 // and masked).
 __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, int b, int h, int q_block,
                                         const VisitLists* vl) {
+  constexpr int kD = kVisitD;
   constexpr int KT = kDqKeyTile;
   constexpr int kTileQ = kQueriesPerCta * kD * 2, kTileK = KT * kD * 2;
   uint8_t* sQ = smem;
@@ -449,8 +469,8 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
   const int g = lane >> 2, t4 = lane & 3;
   const int q0 = q_block * kQueriesPerCta;
 
-  load_tile_sw128<kQueriesPerCta, kThreads>(sQ, p.q, b, h, q0, p.Lq, tid);
-  load_tile_sw128<kQueriesPerCta, kThreads>(sdO, p.dout, b, h, q0, p.Lq, tid);
+  load_tile_sw128<kQueriesPerCta, kThreads, kD>(sQ, p.q, b, h, q0, p.Lq, tid);
+  load_tile_sw128<kQueriesPerCta, kThreads, kD>(sdO, p.dout, b, h, q0, p.Lq, tid);
   // This query tile's list; cur = entries of the tile being computed, nxt = of the next
   // one (read a step ahead of its cp.async).
   const int32_t* klist = nullptr;
@@ -598,7 +618,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_visit_kernel(const KernelPa
   if (idx < dkdv_ctas) {
     const int blk = static_cast<int>(idx % vl.kv_tiles);
     idx /= vl.kv_tiles;
-    dkdv_body<MODE, true>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, 0, -1,
+    dkdv_body<MODE, true, kVisitD>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, 0, -1,
                                  nullptr, &vl);
   } else {
     idx -= dkdv_ctas;
@@ -613,7 +633,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_visit_kernel(const KernelPa
 // fastest, so the CTAs that run at the same time spread over every head's
 // chains, and a CTA's predecessor in its chain (key block - groups) always has a
 // lower index (it started earlier: no CTA waits on one that cannot run).
-template <AttnQatBwdPMode MODE>
+template <AttnQatBwdPMode MODE, int D>
 __global__ void __launch_bounds__(kThreads, 1) dkdvq_wgmma_kernel(const KernelParams p) {
 #ifdef VQAD_BWD_SM90A
   extern __shared__ uint8_t smem_raw[];
@@ -627,19 +647,21 @@ __global__ void __launch_bounds__(kThreads, 1) dkdvq_wgmma_kernel(const KernelPa
     const int nq = (p.Lq + kQueryTile - 1) / kQueryTile;
     q_begin = static_cast<int>(static_cast<int64_t>(nq) * r / p.split_parts);
     q_end = static_cast<int>(static_cast<int64_t>(nq) * (r + 1) / p.split_parts);
-    part_out = p.dkv_part + (u * p.split_parts + r) * (2 * kKeysPerCta * kD);
+    part_out = p.dkv_part + (u * p.split_parts + r) * (2 * kKeysPerCta * D);
     idx = p.split_first + u;
   }
   const int bh = static_cast<int>(idx % bh_count);
   const int kv_block = static_cast<int>(idx / bh_count);
-  dkdv_body<MODE, false>(p, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block, q_begin, q_end,
+  dkdv_body<MODE, false, D>(p, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block, q_begin, q_end,
                          part_out);
 #endif
 }
 
 // dK = scale * (part_0 + part_1 + ...), dV = part_0 + part_1 + ... in part order for
 // the split key blocks, as BF16 BLHD. One CTA per split key block.
+template <int D>
 __global__ void __launch_bounds__(256) dkdv_combine_kernel(const KernelParams p) {
+  constexpr int kD = D;
   const int64_t u = blockIdx.x, idx = p.split_first + u;
   const int bh_count = p.B * p.H;
   const int bh = static_cast<int>(idx % bh_count), kv_block = static_cast<int>(idx / bh_count);
@@ -668,20 +690,29 @@ __global__ void __launch_bounds__(256) dkdv_combine_kernel(const KernelParams p)
 
 // dQ = scale * (partial_0 + partial_1 + ...) in group order, as BF16 BLHD.
 // One CTA per (b*h, query block of 64); thread t handles staging units t, t+256, ...
+// At D = 64 a partial is two 64-key parts (unit u and u + 1024), added part 0 first.
+template <int D>
 __global__ void __launch_bounds__(256) dq_finalize_kernel(const KernelParams p, int nq) {
+  constexpr int kUnits = kQueryTile * D / 4;  // float4 units of one block's dQ
+  constexpr int kParts = kDqStageFloats / (kQueryTile * D);
+  static_assert(kParts * kQueryTile * D == kDqStageFloats, "staging: 64 x 128 floats");
   const int qb = blockIdx.x, bh = blockIdx.y;
   const int b = bh / p.H, h = bh % p.H;
-  const int64_t group_stride = static_cast<int64_t>(p.B) * p.H * nq * (kQueryTile * kD);
+  const int64_t group_stride = static_cast<int64_t>(p.B) * p.H * nq * kDqStageFloats;
   const float4* part = reinterpret_cast<const float4*>(
-      p.dq_acc + (static_cast<int64_t>(bh) * nq + qb) * (kQueryTile * kD));
+      p.dq_acc + (static_cast<int64_t>(bh) * nq + qb) * kDqStageFloats);
   bf16* dq_base = p.dq.p + b * p.dq.sb + h * p.dq.sh;
-  for (int u = threadIdx.x; u < kQueryTile * kD / 4; u += blockDim.x) {
+  for (int u = threadIdx.x; u < kUnits; u += blockDim.x) {
     float4 acc = part[u];
-    for (int gi = 1; gi < p.dq_groups; ++gi) {
-      const float4 x = part[gi * group_stride / 4 + u];
-      acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+    for (int gi = 0; gi < p.dq_groups; ++gi) {
+#pragma unroll
+      for (int r = 0; r < kParts; ++r) {
+        if (gi == 0 && r == 0) continue;
+        const float4 x = part[gi * group_stride / 4 + r * kUnits + u];
+        acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+      }
     }
-    // Unit u = [wg][j][warp][lane] (see dkdv_body).
+    // Unit u = [wg][j][warp][lane] (see dkdv_body); wg is the column half at D = 128.
     const int lane = u & 31, wq = (u >> 5) & 3, j = (u >> 7) & 7, wg = u >> 10;
     const int row = qb * kQueryTile + wq * 16 + (lane >> 2);
     const int col = wg * 64 + j * 8 + 2 * (lane & 3);
@@ -728,24 +759,32 @@ void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const De
   KernelParams kq = kp;
   kq.split_first = static_cast<int>(plan.first);
   kq.split_parts = plan.parts;
+  VQAD_LAUNCH_CHECK(bwd_head_dim_ok(kp.D), kOp, shape(), "expected head dim 64 or 128, found ", kp.D);
   VQAD_CUDA_CHECK(cudaMemsetAsync(kp.dq_sem, 0,
                                   static_cast<size_t>(kp.dq_groups) * bh * nq * sizeof(int), stream));
-  auto launch = [&](auto kernel) {
-    set_smem(kOp, kernel, kDkdvqSmem, dev, kp);
-    kernel<<<static_cast<unsigned>(ctas), kThreads, kDkdvqSmem, stream>>>(kq);
+  auto run = [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    auto launch = [&](auto kernel) {
+      set_smem(kOp, kernel, kDkdvqSmem<D>, dev, kp);
+      kernel<<<static_cast<unsigned>(ctas), kThreads, kDkdvqSmem<D>, stream>>>(kq);
+    };
+    switch (mode) {
+      case AttnQatBwdPMode::kConsistent: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kConsistent, D>); break;
+      case AttnQatBwdPMode::kFastVideo: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kFastVideo, D>); break;
+      case AttnQatBwdPMode::kNone: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kNone, D>); break;
+    }
+    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdvq_wgmma_kernel");
+    if (plan.tail > 0) {
+      dkdv_combine_kernel<D><<<static_cast<unsigned>(plan.tail), 256, 0, stream>>>(kq);
+      VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdv_combine_kernel");
+    }
+    dq_finalize_kernel<D><<<dim3(nq, static_cast<unsigned>(bh)), 256, 0, stream>>>(kp, nq);
+    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_finalize_kernel");
   };
-  switch (mode) {
-    case AttnQatBwdPMode::kConsistent: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kConsistent>); break;
-    case AttnQatBwdPMode::kFastVideo: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kFastVideo>); break;
-    case AttnQatBwdPMode::kNone: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kNone>); break;
-  }
-  VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdvq_wgmma_kernel");
-  if (plan.tail > 0) {
-    dkdv_combine_kernel<<<static_cast<unsigned>(plan.tail), 256, 0, stream>>>(kq);
-    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdv_combine_kernel");
-  }
-  dq_finalize_kernel<<<dim3(nq, static_cast<unsigned>(bh)), 256, 0, stream>>>(kp, nq);
-  VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dq_finalize_kernel");
+  if (kp.D == 64)
+    run(std::integral_constant<int, 64>{});
+  else
+    run(std::integral_constant<int, 128>{});
 }
 
 void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, AttnQatBwdPMode mode,
@@ -762,7 +801,8 @@ void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, At
                     " query tiles (a null list or a stride < 1 is also refused)");
   const int64_t ctas = static_cast<int64_t>(kp.B) * kp.H * (kv_tiles + q_tiles);
   VQAD_LAUNCH_CHECK(ctas <= 0x7fffffff, kVisitOp, shape(), "expected at most 2^31 - 1 CTAs, found ", ctas);
-  const size_t smem = std::max(kDkdvSmem, kDqSmem);
+  VQAD_LAUNCH_CHECK(kp.D == kVisitD, kVisitOp, shape(), "expected head dim ", kVisitD, ", found ", kp.D);
+  const size_t smem = std::max(kDkdvSmem<kVisitD>, kDqSmem);
   auto launch = [&](auto kernel) {
     set_smem(kVisitOp, kernel, smem, dev, kp);
     kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(kp, vl);

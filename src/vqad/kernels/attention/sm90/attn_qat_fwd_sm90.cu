@@ -21,9 +21,10 @@
 // the next tile's Q^ K^T to be queued behind the current P.V products (kLookahead).
 // docs/performance.md has the measured schedules.
 //
-// The tiles are stored as [2][ROWS][64] bf16: the two 64-channel halves of a 128-channel
-// row are separate [ROWS][128 B] blocks in the 128-byte-swizzled K-major layout that TMA
-// writes (SWIZZLE_128B) and the wgmma descriptors read (8-row atoms of 1024 B).
+// Head dim D = 128 or 64 (template parameter). The tiles are stored as [D / 64][ROWS][64]
+// bf16: each 64-channel half of a row is a separate [ROWS][128 B] block in the
+// 128-byte-swizzled K-major layout that TMA writes (SWIZZLE_128B) and the wgmma
+// descriptors read (8-row atoms of 1024 B); O is a wgmma m64nDk16 accumulator.
 //
 // Register layout that makes P quantization cheap: in the wgmma S accumulator a quad of 4
 // lanes holds one row's 8 keys of an n8 slice (2 each), so two adjacent slices give the
@@ -47,10 +48,12 @@
 namespace vqad::kernels::attention {
 namespace {
 
-constexpr int kD = kAttnQatHeadDim;
 constexpr int kBM = kAttnQatBlockM;
 constexpr int kBN = kAttnQatBlockN;
-static_assert(kD == 128 && kBM == 128 && kBN == 128, "the forward kernel: 128 x 128 tiles, head dim 128");
+static_assert(kBM == 128 && kBN == 128, "the forward kernel: 128 x 128 tiles");
+// Head dims: 64 or 128 (kernel template parameter D), a tile row being one or two
+// 64-channel halves of 128 bytes.
+constexpr bool head_dim_ok(int d) { return d == 64 || d == 128; }
 
 // The kernel's parameters: AttnQatFwdParams with each view's pointer and strides apart,
 // filled by the launcher after its checks.
@@ -73,15 +76,17 @@ constexpr int kConsumerRegs = 240;
 constexpr int kSkewGroups = 4;
 static_assert(kSkewGroups > 0 && kSkewGroups < kBN / 16, "skew: 1 to 7 groups");
 constexpr int kStartBarrier = 1;         // named barrier: consumer 1 may start
-constexpr uint32_t kTileBytes = 128 * kD * 2;  // one Q, K or V tile (128 rows)
+template <int D>
+constexpr uint32_t kTileBytes = 128 * D * 2;  // one Q, K or V tile (128 rows)
 // (S, RN(1/S)) for every E4M3 byte: a shared-memory lookup replaces the IEEE reciprocal
 // routine per 16-key group. Byte 0 gives (0, inf), the zero block.
 constexpr int kScaleTableBytes = 128 * 8;
 // bf16 ones for the row-sum wgmma: the 16 x 8 B operand's two core matrices.
 constexpr int kOnesBytes = 256;
 constexpr int kBarriers = 1 + 4 * kStages;  // Q; full K, full V, empty K, empty V per stage
+template <int D>
 constexpr int kSmemBytes =
-    static_cast<int>((1 + 2 * kStages) * kTileBytes) + kScaleTableBytes + kOnesBytes + 8 * kBarriers + 1024;
+    static_cast<int>((1 + 2 * kStages) * kTileBytes<D>) + kScaleTableBytes + kOnesBytes + 8 * kBarriers + 1024;
 
 using sm90::smem_addr;
 
@@ -198,13 +203,13 @@ __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&
 }
 
 #if VQAD_FWD_SM90A
-// S = Q^ K^T of one warpgroup (64 rows) against a whole K tile: 8 k-steps over the
+// S = Q^ K^T of one warpgroup (64 rows) against a whole K tile: D / 16 k-steps over the
 // head dim, the first overwriting S; WAIT: waited for before returning.
-template <bool WAIT>
+template <int D, bool WAIT>
 __device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uint32_t sK) {
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk) {
+  for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t koff = (kk & 3) * 32;
     sm90::wgmma_m64n128k16_ss<0>(flat(s), desc_kmajor(a_base + (kk >> 2) * kBM * 128 + koff),
                                  desc_kmajor(sK + (kk >> 2) * kBN * 128 + koff), kk > 0 ? 1 : 0);
@@ -216,8 +221,8 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uin
 // P, P^ of the 16-key groups [KS0, KS1) of S and their P.V and row-sum wgmmas
 // (asynchronous: the tensor cores work on one group while the next group's exp2 and
 // quantization run).
-template <int KS0, int KS1, bool QUANT_P>
-__device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[16][4], float (&acch)[16][4],
+template <int D, int KS0, int KS1, bool QUANT_P>
+__device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[D / 8][4], float (&acch)[D / 8][4],
                                           float (&lacc)[4], const float (&m_run)[2], float c, uint32_t sV,
                                           const float2* table, uint64_t ones_desc) {
   const float neg0 = -m_run[0], neg1 = -m_run[1];
@@ -227,8 +232,8 @@ __device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[
     p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, table, pa, qa);
     wgmma_fence();
     const uint64_t dv = desc_mn(sV + ks * 16 * 128);
-    sm90::wgmma_m64n128k16_rs<1>(flat(acc), qa, dv);
-    if constexpr (QUANT_P) sm90::wgmma_m64n128k16_rs<1>(flat(acch), pa, dv);
+    sm90::wgmma_m64nNk16_rs<D, 1>(flat(acc), qa, dv);
+    if constexpr (QUANT_P) sm90::wgmma_m64nNk16_rs<D, 1>(flat(acch), pa, dv);
     wgmma_m64n8k16_rs(lacc, pa, ones_desc);
   }
   wgmma_commit();
@@ -248,9 +253,10 @@ struct DenseKv {
     return DenseKv{p.len_kv};
   }
   __device__ __forceinline__ int n_tiles() const { return (len + kBN - 1) / kBN; }
+  template <int D>
   __device__ __forceinline__ void load(const void* map, uint32_t dst, uint32_t bar, int j, int h, int b) const {
-    sm90::tma_load_4d(dst, map, bar, 0, j * kBN, h, b);
-    sm90::tma_load_4d(dst + kBN * 128, map, bar, 64, j * kBN, h, b);
+#pragma unroll
+    for (int half = 0; half < D / 64; ++half) sm90::tma_load_4d(dst + half * kBN * 128, map, bar, 64 * half, j * kBN, h, b);
   }
   __device__ __forceinline__ bool idle(int) const { return false; }
   __device__ __forceinline__ int mask_info(int j) const { return j; }
@@ -288,6 +294,7 @@ struct VisitKv {
   // At least one tile (an empty list, outside the contract, then reads zeros, fully
   // masked, instead of leaving the consumers waiting).
   __device__ __forceinline__ int n_tiles() const { return max(1, (count + 1) / 2); }
+  template <int D>
   __device__ __forceinline__ void load(const void* map, uint32_t dst, uint32_t bar, int j, int h, int b) const {
     static_assert(kBN == kAttnQatVisitTileBlocks * kAttnQatVisitBlockRows, "visit tiles are two 64-row blocks");
 #pragma unroll
@@ -295,8 +302,8 @@ struct VisitKv {
       const int i = 2 * j + slot;
       const int row = i < count ? (__ldg(entries + i) >> kAttnQatVisitCountBits) * kAttnQatVisitBlockRows : len;
       const uint32_t d = dst + slot * kAttnQatVisitBlockRows * 128;
-      sm90::tma_load_4d(d, map, bar, 0, row, h, b);
-      sm90::tma_load_4d(d + kBN * 128, map, bar, 64, row, h, b);
+#pragma unroll
+      for (int half = 0; half < D / 64; ++half) sm90::tma_load_4d(d + half * kBN * 128, map, bar, 64 * half, row, h, b);
     }
   }
   // Warpgroup wg's 64 query rows are all padding (a VSA query cube of one physical
@@ -321,7 +328,7 @@ struct VisitKv {
   }
 };
 
-template <bool QUANT_P, class KV>
+template <int D, bool QUANT_P, class KV>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_qat_fwd_kernel(const FwdKernelParams p, float scale_log2, const AttnQatFwdVisit visit,
                         const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -329,16 +336,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if VQAD_FWD_SM90A
   constexpr int kNT = kBN / 8;   // n8 slices of S per warp
   constexpr int kKS = kBN / 16;  // 16-key groups
-  constexpr int kDT = kD / 8;    // n8 slices of O
-  // BF16 mode: the next tile's Q^ K^T is queued behind the P.V products (the two P
-  // accumulators of QAT leave no registers for a second S).
+  constexpr int kDT = D / 8;     // n8 slices of O
+  constexpr uint32_t kTile = kTileBytes<D>;
+  // BF16 mode: the next tile's Q^ K^T is queued behind the P.V products. With P
+  // quantization, QAT's two P accumulators at D = 128 leave no registers for the P
+  // fragments that the queued products hold; at D = 64 they fit, but the queued form
+  // measured 1-1.5% slower (docs/performance.md).
   constexpr bool kLookahead = !QUANT_P;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const uint32_t base = smem_addr(smem_raw);
   const uint32_t sQ = (base + 1023u) & ~1023u;  // 1024-byte swizzle atoms
-  const uint32_t sK0 = sQ + kTileBytes;           // K stage s at sK0 + s * kTileBytes
-  const uint32_t sV0 = sK0 + kStages * kTileBytes;
-  const uint32_t sTable = sV0 + kStages * kTileBytes;
+  const uint32_t sK0 = sQ + kTile;                // K stage s at sK0 + s * kTile
+  const uint32_t sV0 = sK0 + kStages * kTile;
+  const uint32_t sTable = sV0 + kStages * kTile;
   const float2* scale_table = reinterpret_cast<const float2*>(smem_raw + (sTable - base));
   const uint32_t sOnes = sTable + kScaleTableBytes;
   const uint32_t sBar = sOnes + kOnesBytes;
@@ -385,19 +395,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::tma_prefetch_desc(&tm_q);
       sm90::tma_prefetch_desc(&tm_k);
       sm90::tma_prefetch_desc(&tm_v);
-      sm90::mbar_arrive_expect_tx(bar_q, kTileBytes);
-      sm90::tma_load_4d(sQ, &tm_q, bar_q, 0, q0, h, b);
-      sm90::tma_load_4d(sQ + kBM * 128, &tm_q, bar_q, 64, q0, h, b);
+      sm90::mbar_arrive_expect_tx(bar_q, kTile);
+#pragma unroll
+      for (int half = 0; half < D / 64; ++half) sm90::tma_load_4d(sQ + half * kBM * 128, &tm_q, bar_q, 64 * half, q0, h, b);
 #pragma unroll 1
       for (int j = 0; j < n_tiles; ++j) {
         const int st = j % kStages;
         const uint32_t free_parity = ((j / kStages) & 1) ^ 1;  // the stage's previous use has ended
         if (j >= kStages) sm90::mbar_wait(empty_k(st), free_parity);
-        sm90::mbar_arrive_expect_tx(full_k(st), kTileBytes);
-        kv.load(&tm_k, sK0 + st * kTileBytes, full_k(st), j, h, b);
+        sm90::mbar_arrive_expect_tx(full_k(st), kTile);
+        kv.template load<D>(&tm_k, sK0 + st * kTile, full_k(st), j, h, b);
         if (j >= kStages) sm90::mbar_wait(empty_v(st), free_parity);
-        sm90::mbar_arrive_expect_tx(full_v(st), kTileBytes);
-        kv.load(&tm_v, sV0 + st * kTileBytes, full_v(st), j, h, b);
+        sm90::mbar_arrive_expect_tx(full_v(st), kTile);
+        kv.template load<D>(&tm_v, sV0 + st * kTile, full_v(st), j, h, b);
       }
     }
     return;
@@ -442,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acch[i][e] = 0.0f;
   }
-  float (&acch_ref)[16][4] = *reinterpret_cast<float(*)[16][4]>(QUANT_P ? &acch[0][0] : &acc[0][0]);
+  float (&acch_ref)[kDT][4] = *reinterpret_cast<float(*)[kDT][4]>(QUANT_P ? &acch[0][0] : &acc[0][0]);
   float m_run[2] = {-INFINITY, -INFINITY};
   // Row sums of bf16(P) come out of the tensor cores: P times an all-ones n8 tile
   // leaves the row sum in every column ([0] row g, [2] row g + 8), already reduced
@@ -455,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (every KV policy has n_tiles >= 1)
   if constexpr (kLookahead) {
     sm90::mbar_wait(full_k(0), 0);
-    qk_wgmma<true>(s, a_base, sK0);
+    qk_wgmma<D, true>(s, a_base, sK0);
     release(empty_k(0));
   }
 #pragma unroll 1
@@ -465,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int mi = kv.mask_info(j);
     if constexpr (!kLookahead) {
       sm90::mbar_wait(full_k(st), parity);
-      qk_wgmma<true>(s, a_base, sK0 + st * kTileBytes);
+      qk_wgmma<D, true>(s, a_base, sK0 + st * kTile);
       release(empty_k(st));
     }
     kv.mask(s, mi, t);
@@ -510,16 +520,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     // ---- P, P^ and the P.V products, one 16-key group at a time ----
-    const uint32_t sV = sV0 + st * kTileBytes;
+    const uint32_t sV = sV0 + st * kTile;
     sm90::mbar_wait(full_v(st), parity);
-    pv_groups<0, kSkewGroups, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    pv_groups<D, 0, kSkewGroups, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     if (cw == 0 && j == 0) sm90::named_barrier_arrive(kStartBarrier, 256);
-    pv_groups<kSkewGroups, kKS, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    pv_groups<D, kSkewGroups, kKS, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     const bool next = kLookahead && j + 1 < n_tiles;
     if (next) {
       const int nst = (j + 1) % kStages;
       sm90::mbar_wait(full_k(nst), ((j + 1) / kStages) & 1);
-      qk_wgmma<false>(s, a_base, sK0 + nst * kTileBytes);
+      qk_wgmma<D, false>(s, a_base, sK0 + nst * kTile);
     }
     wgmma_wait0();
     release(empty_v(st));
@@ -574,10 +584,10 @@ std::string shape_str(const AttnQatFwdParams& p) {
   return attention_shape_str(p.batch, p.heads, p.len_q, p.len_kv, p.head_dim);
 }
 
-template <bool QUANT_P, class KV>
+template <int D, bool QUANT_P, class KV>
 void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit,
                  cudaStream_t stream) {
-  auto kernel = attn_qat_fwd_kernel<QUANT_P, KV>;
+  auto kernel = attn_qat_fwd_kernel<D, QUANT_P, KV>;
   // Validated on sm_90 (H100/H200) only: other arches are refused rather than guessed at.
   int device = 0, major = 0, minor = 0;
   VQAD_CUDA_CHECK(cudaGetDevice(&device));
@@ -597,20 +607,20 @@ void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, co
   const char* names[3] = {"q", "k", "v"};
   for (int i = 0; i < 3; ++i) {
     const std::string why = make_blhd_tensor_map(&maps[i], views[i]->data, views[i]->stride, p.batch,
-                                                 i == 0 ? p.len_q : p.len_kv, p.heads, kD, i == 0 ? kBM : KV::kBoxRows);
+                                                 i == 0 ? p.len_q : p.len_kv, p.heads, D, i == 0 ? kBM : KV::kBoxRows);
     VQAD_LAUNCH_CHECK(why.empty(), op, shape_str(p), "tensor ", names[i], ": ", why);
   }
-  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>));
   const FwdKernelParams kp{p.o.data, p.o_hp.data, p.o.stride, p.o_hp.stride, p.m, p.l, p.heads, p.len_q, p.len_kv};
   const dim3 grid((p.len_q + kBM - 1) / kBM, p.heads, p.batch);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp, scale_log2, visit, maps[0], maps[1], maps[2]);
+  kernel<<<grid, kThreads, kSmemBytes<D>, stream>>>(kp, scale_log2, visit, maps[0], maps[1], maps[2]);
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_fwd_kernel");
 }
 
 // Checks shared by both KV sources; returns scale * log2(e).
 float check_fwd_params(const char* op, const AttnQatFwdParams& p) {
   const auto shape = [&] { return shape_str(p); };
-  VQAD_LAUNCH_CHECK(p.head_dim == kD, op, shape(), "expected head dim ", kD, ", found ", p.head_dim);
+  VQAD_LAUNCH_CHECK(head_dim_ok(p.head_dim), op, shape(), "expected head dim 64 or 128, found ", p.head_dim);
   VQAD_LAUNCH_CHECK(p.batch > 0 && p.heads > 0 && p.len_q > 0 && p.len_kv > 0 && p.heads <= 65535 &&
                         p.batch <= 65535,
                     op, shape(), "unsupported shape: expected positive sizes and B, H <= 65535");
@@ -633,10 +643,17 @@ float check_fwd_params(const char* op, const AttnQatFwdParams& p) {
 void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
   const float scale_log2 = check_fwd_params(kOp, p);
   const AttnQatFwdVisit none{};
-  if (p.quant_p)
-    launch_impl<true, DenseKv>(kOp, p, scale_log2, none, stream);
-  else
-    launch_impl<false, DenseKv>(kOp, p, scale_log2, none, stream);
+  if (p.head_dim == 64) {
+    if (p.quant_p)
+      launch_impl<64, true, DenseKv>(kOp, p, scale_log2, none, stream);
+    else
+      launch_impl<64, false, DenseKv>(kOp, p, scale_log2, none, stream);
+  } else {
+    if (p.quant_p)
+      launch_impl<128, true, DenseKv>(kOp, p, scale_log2, none, stream);
+    else
+      launch_impl<128, false, DenseKv>(kOp, p, scale_log2, none, stream);
+  }
 }
 
 void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit& visit, cudaStream_t stream) {
@@ -647,10 +664,12 @@ void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit&
   VQAD_LAUNCH_CHECK(p.len_kv <= (static_cast<int64_t>(kAttnQatVisitMaxBlock) + 1) * kAttnQatVisitBlockRows, kVisitOp,
                     shape_str(p), "expected at most ", kAttnQatVisitMaxBlock + 1,
                     " 64-row blocks (what a visit entry holds), found len_kv ", p.len_kv);
+  VQAD_LAUNCH_CHECK(p.head_dim == kAttnQatVisitHeadDim, kVisitOp, shape_str(p), "expected head dim ",
+                    kAttnQatVisitHeadDim, " (the VSA fine stage), found ", p.head_dim);
   if (p.quant_p)
-    launch_impl<true, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
+    launch_impl<kAttnQatVisitHeadDim, true, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
   else
-    launch_impl<false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
+    launch_impl<kAttnQatVisitHeadDim, false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
 }
 
 }  // namespace vqad::kernels::attention

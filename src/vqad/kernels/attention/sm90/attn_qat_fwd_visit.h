@@ -20,6 +20,8 @@
 
 namespace vqad::kernels::attention {
 
+// The head dimension of the visit-list kernels (forward and backward).
+inline constexpr int kAttnQatVisitHeadDim = 128;
 // Visited 64-row blocks per 128-key tile of the visit-list forward.
 inline constexpr int kAttnQatVisitBlockRows = 64;
 inline constexpr int kAttnQatVisitTileBlocks = kAttnQatBlockN / kAttnQatVisitBlockRows;
