@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <cstdint>
 #include <mutex>
 
 namespace vqad::kernels {
@@ -53,6 +54,24 @@ std::string make_blhd_tensor_map(CUtensorMap* map, const void* data, const BlhdS
                             estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return "cuTensorMapEncodeTiled refused the view (CUresult " + std::to_string(static_cast<int>(r)) + ")";
+  return {};
+}
+
+std::string make_f32x4_rows_tensor_map(CUtensorMap* map, const void* data, int rows, int slices, int box_rows) {
+  std::string why;
+  PFN_cuTensorMapEncodeTiled_v12000 encode = encode_fn(&why);
+  if (encode == nullptr) return why;
+  if (reinterpret_cast<uintptr_t>(data) % 16 != 0 || rows < 1 || slices < 1)
+    return "expected a 16-byte aligned [slices][rows][4] fp32 array, found " + std::to_string(slices) + " x " +
+           std::to_string(rows) + " rows at " + std::to_string(reinterpret_cast<uintptr_t>(data));
+  const cuuint64_t dims[3] = {4, static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(slices)};
+  const cuuint64_t strides[2] = {16, static_cast<cuuint64_t>(rows) * 16};
+  const cuuint32_t box[3] = {4, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t estride[3] = {1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<void*>(data), dims, strides, box,
+                            estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return "cuTensorMapEncodeTiled refused the rows (CUresult " + std::to_string(static_cast<int>(r)) + ")";
   return {};
 }
 

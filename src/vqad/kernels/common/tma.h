@@ -1,5 +1,4 @@
-// TMA tensor maps of BLHD views (kernels/common/launch.h) for the warp-specialised sm_90
-// kernels: a 4-D tiled map (D, L, H, B), innermost first, whose box is 64 channels
+// TMA tensor maps for the sm_90 attention kernels. BLHD views (kernels/common/launch.h): a 4-D tiled map (D, L, H, B), innermost first, whose box is 64 channels
 // (128 bytes, the 128-byte swizzle's row) by `box_rows` rows of one (batch, head). A tile
 // of R rows x 128 channels is two boxes (channels 0-63 and 64-127) written one after the
 // other: the [2][R][64] 128-byte-swizzled layout the attention kernels' wgmma descriptors
@@ -18,5 +17,10 @@ namespace vqad::kernels {
 // launch error).
 std::string make_blhd_tensor_map(CUtensorMap* map, const void* data, const BlhdStrides& stride, int batch, int len,
                                  int heads, int head_dim, int box_rows);
+
+// Fills *map for rows of 4 floats (16 bytes), [slices][rows][4] contiguous (the attention
+// backward's row statistics): a 3-D tiled map (4, rows, slices) whose box is `box_rows`
+// rows of one slice, no swizzle. Rows past `rows` arrive as zeros.
+std::string make_f32x4_rows_tensor_map(CUtensorMap* map, const void* data, int rows, int slices, int box_rows);
 
 }  // namespace vqad::kernels

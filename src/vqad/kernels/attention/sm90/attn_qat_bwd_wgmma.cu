@@ -10,9 +10,9 @@
 //   dV += Pb^T dO, dK += dS^T Q  (m64nDk16, A from registers, B = dO/Q tile N-major)
 //   dQ_i partial = dS K_j        (dkdvq_wgmma_kernel: the warps store dS^T to shared
 //     memory; at D = 128 warpgroup w computes head-dim half w over all 128 keys, at
-//     D = 64 all 64 columns over its own 64 keys (two parts, added by the finalize pass),
-//     m64n64k16 with A = dS^T read transposed; the fp32 partial goes to global memory by one bulk
-//     reduction per block, in a fixed order: see dq_accum_groups in
+//     D = 64 all 64 columns over its own 64 keys (two parts, added by the finalize
+//     pass), m64n64k16 with A = dS^T read transposed; the fp32 partial goes to global
+//     memory by one bulk reduction per block, in a fixed order: see dq_accum_groups in
 //     attn_qat_bwd_common.cuh; dq_finalize_kernel adds the groups). 5 GEMMs.
 // The CTAs of a last partial wave are split over query ranges (dkdv_split_plan,
 // dkdv_combine_kernel). At (1,3,31200) on an H200: 10.43 ms with the tail split,
@@ -22,7 +22,10 @@
 // (7 GEMMs). dK/dV CTAs as above over a list of query blocks (no dQ partials), then
 // dQ CTAs of 2 warpgroups x 64 queries; per tile of 128 keys (two visited 64-row
 // blocks): S = Q K^T, dP = dO V^T (m64n128k16), dQ += dS K (m64n128k16, B = K tile
-// N-major); one launch (fused_visit_kernel), dK/dV CTAs first.
+// N-major); one launch (fused_visit_kernel), dK/dV CTAs first. Their streamed operands
+// come by TMA into mbarrier stages that the later warpgroup refills, so the two
+// warpgroups never wait for each other (VisitStages; 17% faster than cp.async with a CTA
+// barrier per step at the Wan grid, docs/performance.md).
 //
 // Head dim D = 128 or 64 for the dense kernels (template parameter), 128 for the visit
 // lists. Shared tiles hold rows of D bf16 as 64-column halves ([half][row][64]),
@@ -41,6 +44,7 @@
 #include "vqad/kernels/attention/sm90/attn_qat_fwd_visit.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/launch.h"
+#include "vqad/kernels/common/tma.h"
 
 namespace vqad::kernels::attn_bwd {
 namespace {
@@ -75,23 +79,6 @@ __device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const InTensor& t,
     const int gr = row0 + r;
     const bool ok = gr < len;
     cp_async16(dst + sw128(r, ch, ROWS), base + static_cast<int64_t>(ok ? gr : 0) * t.sl + ch * 8, ok);
-  }
-}
-
-// One 64-row block (visit entry e = (block << 7) | valid rows) of kVisitD channels into
-// rows [half * 64, half * 64 + 64) of a ROWS-row swizzled tile; rows past the valid count
-// are zero-filled.
-template <int ROWS, int NT>
-__device__ __forceinline__ void load_block_sw128(uint8_t* dst, const InTensor& t, int b, int h, int e,
-                                                 int half, int tid) {
-  const bf16* base = t.p + b * t.sb + h * t.sh;
-  const int blk = e >> kAttnQatVisitCountBits, n = e & ((1 << kAttnQatVisitCountBits) - 1);
-#pragma unroll
-  for (int i = tid; i < kAttnQatVisitBlockRows * (kVisitD / 8); i += NT) {
-    const int r = i / (kVisitD / 8), ch = i % (kVisitD / 8);
-    const bool ok = r < n;
-    cp_async16(dst + sw128(half * kAttnQatVisitBlockRows + r, ch, ROWS),
-               base + static_cast<int64_t>(ok ? blk * kAttnQatVisitBlockRows + r : 0) * t.sl + ch * 8, ok);
   }
 }
 
@@ -178,25 +165,102 @@ static_assert((kDkdvSmem<64> - 1024) % 1024 == 0 && (kDkdvSmem<128> - 1024) % 10
 
 // Keys per tile of the visit-list dQ kernel: two visited 64-row blocks.
 constexpr int kDqKeyTile = 2 * kQueryTile;
-constexpr size_t kDqSmem = 1024 + 2 * kQueriesPerCta * kVisitD * 2 + kStages * 2 * kDqKeyTile * kVisitD * 2;
+
+// ---------------------------------------------------------------------------
+// Visit-list bodies (fused_visit_kernel): TMA stages, warpgroups that never meet
+// ---------------------------------------------------------------------------
+// Both bodies stream one operand pair per step (dK/dV: a visited query block's Q, dO and
+// row statistics; dQ: a pair of visited key blocks' K and V) through kStages stages that
+// one thread fills by TMA (tensor maps over the tiled tensors; rows past a block's valid
+// count are loaded as they are, which the VSA tiling keeps at zero, and masked). The two
+// warpgroups work on disjoint rows (keys or queries) and share only these stages: the
+// warpgroup that finishes with a stage second refills it (a shared counter per stage), so
+// after the prologue neither waits for the other.
+struct VisitStages {
+  uint32_t bar_full;  // kStages mbarriers
+  int* refill;        // kStages counters
+  // The warpgroup's release of stage st after step i (all its warps done with it; the
+  // caller's named barrier): the second arrival refills it with step i + kStages.
+  template <class Issue>
+  __device__ __forceinline__ void release(int st, int i, int steps, bool leader, Issue&& issue) const {
+    if (!leader) return;
+    __threadfence_block();
+    if (atomicAdd(&refill[st], 1) == 1) {
+      refill[st] = 0;
+      if (i + kStages < steps) issue(i + kStages);
+    }
+  }
+  // Thread 0, before the barrier that publishes them.
+  __device__ __forceinline__ void init() const {
+    for (int st = 0; st < kStages; ++st) {
+      sm90::mbar_init(bar_full + 8 * st, 1);
+      refill[st] = 0;
+    }
+    sm90::fence_mbarrier_init();
+  }
+  __device__ __forceinline__ void wait(int i) const {
+    sm90::mbar_wait(bar_full + 8 * (i % kStages), (i / kStages) & 1);
+  }
+};
+// Byte offsets of the visit bodies' shared memory from a 1024-aligned base.
+struct VisitDkdvSmem {
+  static constexpr int kTileK = kKeysPerCta * kVisitD * 2, kTileQ = kQueryTile * kVisitD * 2;
+  static constexpr int kK = 0, kV = kTileK;
+  static constexpr int kQ = 2 * kTileK;  // stage s: Q at kQ + s * 2 * kTileQ, dO after it
+  static constexpr int kSt = kQ + kStages * 2 * kTileQ;  // [kStages][64] float4
+  static constexpr int kScale = kSt + kStages * kQueryTile * 16;
+  static constexpr int kBar = kScale + static_cast<int>(kScaleTableBytes);
+  static constexpr int kBytes = kBar + 16 * kStages;
+};
+struct VisitDqSmem {
+  static constexpr int kTileQ = kQueriesPerCta * kVisitD * 2, kTileK = kDqKeyTile * kVisitD * 2;
+  static constexpr int kQ = 0, kdO = kTileQ;
+  static constexpr int kK = 2 * kTileQ;  // stage s: K at kK + s * 2 * kTileK, V after it
+  static constexpr int kBar = kK + kStages * 2 * kTileK;
+  static constexpr int kBytes = kBar + 16 * kStages;
+};
+constexpr size_t kVisitSmem = 1024 + (VisitDkdvSmem::kBytes > VisitDqSmem::kBytes ? VisitDkdvSmem::kBytes
+                                                                                     : VisitDqSmem::kBytes);
 
 // Per query block (per warpgroup, 64 keys):
 //   S^T, dP^T issued as two groups; phase 1 (exp2 + P quantization) overlaps
 //   dP^T; dV issued; phase 2 (dS) overlaps dV; dK issued.
 #ifdef VQAD_BWD_SM90A
-// Dense (VISIT = false, dkdvq_wgmma_kernel): query blocks [q_begin, q_end) of key block
-// kv_block (q_end < 0: all), keys < Lkv, and the ordered dQ partials (kDq). With
-// part_out (tail split) dK and dV go there as fp32 [2][128 keys][128].
-// VISIT (launch_wgmma_visit_kernels): the query blocks come from vl's list of this key
-// tile (step i visits block q_entries[i] >> 7), the valid keys of each warpgroup's 64
-// from vl.key_rows; dQ is left to dq_body (the recompute form).
-template <AttnQatBwdPMode MODE, bool VISIT, int D>
-__device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, int b, int h,
-                                          int kv_block, int q_begin = 0, int q_end = -1,
-                                          float* part_out = nullptr, const VisitLists* vl = nullptr) {
-  static_assert(!VISIT || D == kVisitD, "the visit-list kernels take kVisitD");
+// dK (times the softmax scale) and dV of this lane's two keys as BF16 rows.
+template <int D>
+__device__ __forceinline__ void store_dkdv(const KernelParams& p, int b, int h, const float (&dk)[D / 8][4],
+                                           const float (&dv)[D / 8][4], int key_row0, bool key_ok0, bool key_ok1,
+                                           int t4) {
+  bf16* dk_base = p.dk.p + b * p.dk.sb + h * p.dk.sh;
+  bf16* dv_base = p.dv.p + b * p.dv.sb + h * p.dv.sh;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int col = n * 8 + 2 * t4;
+    if (key_ok0) {
+      *reinterpret_cast<uint32_t*>(dk_base + static_cast<int64_t>(key_row0) * p.dk.sl + col) =
+          pack_bf16(dk[n][0] * p.scale, dk[n][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dv_base + static_cast<int64_t>(key_row0) * p.dv.sl + col) =
+          pack_bf16(dv[n][0], dv[n][1]);
+    }
+    if (key_ok1) {
+      *reinterpret_cast<uint32_t*>(dk_base + static_cast<int64_t>(key_row0 + 8) * p.dk.sl + col) =
+          pack_bf16(dk[n][2] * p.scale, dk[n][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(dv_base + static_cast<int64_t>(key_row0 + 8) * p.dv.sl + col) =
+          pack_bf16(dv[n][2], dv[n][3]);
+    }
+  }
+}
+
+// dkdvq_wgmma_kernel: query blocks [q_begin, q_end) of key block kv_block (q_end < 0:
+// all), keys < Lkv, and the ordered dQ partials. With part_out (tail split) dK and dV go
+// there as fp32
+// [2][128 keys][D]. Q, dO and the row statistics are double-buffered by cp.async; both
+// warpgroups meet at the top of each block (the stage hand-over and the dQ staging) and
+// for the dS^T exchange.
+template <AttnQatBwdPMode MODE, int D>
+__device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, int b, int h, int kv_block,
+                                          int q_begin, int q_end, float* part_out) {
   constexpr int kD = D;
-  constexpr bool kDq = !VISIT;  // ordered dQ partials
   constexpr int kTileK = kKeysPerCta * kD * 2, kTileQ = kQueryTile * kD * 2;
   uint8_t* sK = smem;
   uint8_t* sV = sK + kTileK;
@@ -226,22 +290,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
   };
   const int nq = (p.Lq + kQueryTile - 1) / kQueryTile;
   if (q_end < 0) q_end = nq;
-  // The list row of this key tile (VISIT); qblock(i) is the query block of step i.
-  const int32_t* qlist = nullptr;
-  if constexpr (VISIT) {
-    const int64_t row = (static_cast<int64_t>(b) * p.H + h) * vl->kv_tiles + kv_block;
-    qlist = vl->q_entries + row * vl->q_stride;
-    q_begin = 0;
-    q_end = __ldg(vl->q_counts + row);
-  }
-  auto qblock = [&](int i) { return VISIT ? (__ldg(qlist + i) >> kAttnQatVisitCountBits) : i; };
-  int q_next = 0;  // VISIT: block of step i + 1, read one step ahead
-  if constexpr (VISIT) {
-    if (q_end > 0) load_q_block(qblock(0), 0);
-    if (q_end > 1) q_next = qblock(1);
-  } else {
-    load_q_block(q_begin, 0);
-  }
+  load_q_block(q_begin, 0);
   cp_async_commit();
   if (tid < 128) {  // visible after the first barrier of the loop
     const float S = e4m3_value(static_cast<uint8_t>(tid));
@@ -255,24 +304,15 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
   const int key_row0 = kv0 + wg * 64 + wq * 16 + g;  // this lane's keys: key_row0, +8
-  // Valid keys of this warpgroup's 64 rows: [kv0 + wg * 64, key_end).
-  const int key_end = VISIT ? kv0 + wg * 64 + __ldg(vl->key_rows + kv_block * 2 + wg) : p.Lkv;
-  const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > key_end;
-  const bool key_ok0 = key_row0 < key_end, key_ok1 = key_row0 + 8 < key_end;
-  // VISIT: a warpgroup whose 64 keys are all padding (a KV cube of one physical block)
-  // only loads its share of the tiles and meets the barriers (broadcast: warp-uniform).
-  const bool idle = VISIT && __shfl_sync(0xffffffffu, key_end == kv0 + wg * 64 ? 1 : 0, 0) != 0;
+  const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > p.Lkv;
+  const bool key_ok0 = key_row0 < p.Lkv, key_ok1 = key_row0 + 8 < p.Lkv;
   const uint32_t aK = smem_u32(sK), aV = smem_u32(sV);
 
-  // Ordered dQ (kDq): this CTA's place in the chain of its partial sum.
+  // Ordered dQ: this CTA's place in the chain of its partial sum.
   const int64_t bh = static_cast<int64_t>(b) * p.H + h;
   const int grp = kv_block % p.dq_groups, turn = kv_block / p.dq_groups;
-  float* dq_part = nullptr;
-  int* dq_turn = nullptr;
-  if constexpr (kDq) {
-    dq_part = p.dq_acc + (static_cast<int64_t>(grp) * p.B * p.H + bh) * nq * kDqStageFloats;
-    dq_turn = p.dq_sem + (bh * p.dq_groups + grp) * nq;
-  }
+  float* dq_part = p.dq_acc + (static_cast<int64_t>(grp) * p.B * p.H + bh) * nq * kDqStageFloats;
+  int* dq_turn = p.dq_sem + (bh * p.dq_groups + grp) * nq;
   // Thread 0 hands block qb's staged partial to the bulk engine once the previous
   // CTA of the chain is done with it, and advances the counter when it completes.
   auto dq_issue = [&](int qb) {
@@ -290,29 +330,12 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     sem_advance(dq_turn + qb);
   };
 
-  if constexpr (VISIT) {
-    if (idle) {  // the barriers and loads of the loop below, nothing else
-      for (int qb = q_begin; qb < q_end; ++qb) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();
-        if (qb + 1 < q_end) {
-          load_q_block(q_next, (qb + 1 - q_begin) % kStages);
-          cp_async_commit();
-        }
-        if (qb + 2 < q_end) q_next = qblock(qb + 2);
-      }
-      q_end = q_begin;
-    }
-  }
-  for (int qb = q_begin; qb < q_end; ++qb) {  // VISIT: qb is the step, the block is qblock(qb)
+  for (int qb = q_begin; qb < q_end; ++qb) {
     const int stage = (qb - q_begin) % kStages;
     cp_async_wait<0>();
     fence_proxy_async();  // cp.async data -> visible to the wgmma (async proxy)
     __syncthreads();      // also: both warpgroups are done with block qb-1's stage
-    if constexpr (kDq) {
-      if (tid == 0 && qb > q_begin) dq_issue(qb - 1);  // staged at the end of step qb - 1
-    }
+    if (tid == 0 && qb > q_begin) dq_issue(qb - 1);  // staged at the end of step qb - 1
     const uint32_t aQ = smem_u32(sQ + stage * kTileQ), adO = smem_u32(sdO + stage * kTileQ);
     const float4* cSt = sSt + stage * kQueryTile;
 
@@ -331,11 +354,8 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     wgmma_commit();
     // Prefetch the next block into the other stage while the tensor cores run.
     if (qb + 1 < q_end) {
-      load_q_block(VISIT ? q_next : qb + 1, (qb + 1 - q_begin) % kStages);
+      load_q_block(qb + 1, (qb + 1 - q_begin) % kStages);
       cp_async_commit();
-    }
-    if constexpr (VISIT) {
-      if (qb + 2 < q_end) q_next = qblock(qb + 2);
     }
     wgmma_wait<1>();  // S^T done; dP^T may still run
     fence_regs(flat(s));
@@ -350,7 +370,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     fence_regs(flat(dp));
 
     dkdv_phase2<MODE>(s, dp, cSt, lane, ads);
-    if constexpr (kDq) {
+    {
       // dS^T of this warp's 16 keys -> the shared tile (rows = keys, 128-byte
       // swizzled like the operand tiles), the A operand of dQ += dS K.
       uint8_t* row = sdS + (wg * 64 + wq * 16 + g) * kRowBytes;
@@ -367,7 +387,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     for (int kq = 0; kq < 4; ++kq)
       wgmma_m64nNk16_rs<kD, 1>(flat(dk), ads[kq], desc_nmajor(aQ, kQueryTile, kq * 16));
     wgmma_commit();
-    if constexpr (kDq) {
+    {
       // D = 128: dQ[64 queries x head-dim half wg] = dS (all 128 keys of the CTA) K.
       // D = 64: dQ part wg [64 queries x 64] = dS K over the warpgroup's own 64 keys.
       // A is the dS^T tile read transposed (M = queries contiguous), B the K tile (half).
@@ -400,20 +420,12 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
         sdQ[(wg * 8 + j) * 128 + wq * 32 + lane] =
             make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
       fence_proxy_async();  // generic writes -> the bulk engine (after the next barrier)
-    } else {
-      // Leaving dK in flight into the next block makes ptxas serialize every
-      // wgmma (C7515); the other warpgroup keeps the tensor cores busy instead.
-      wgmma_wait<0>();
-      fence_regs(flat(dv));
-      fence_regs(flat(dk));
     }
   }
-  if constexpr (kDq) {
-    __syncthreads();  // the last block's partial is staged
-    if (tid == 0) {
-      dq_issue(q_end - 1);
-      dq_complete(q_end - 1);
-    }
+  __syncthreads();  // the last block's partial is staged
+  if (tid == 0) {
+    dq_issue(q_end - 1);
+    dq_complete(q_end - 1);
   }
 
   if (part_out != nullptr) {  // tail split: fp32 partials, added by dkdv_combine_kernel
@@ -429,67 +441,181 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
     }
     return;
   }
-  bf16* dk_base = p.dk.p + b * p.dk.sb + h * p.dk.sh;
-  bf16* dv_base = p.dv.p + b * p.dv.sb + h * p.dv.sh;
+  store_dkdv<kD>(p, b, h, dk, dv, key_row0, key_ok0, key_ok1, t4);
+}
+
+#endif  // VQAD_BWD_SM90A
+
+#ifdef VQAD_BWD_SM90A
+
+// dK, dV of key tile kv_block over vl's list of query blocks (step i visits block
+// q_entries[i] >> 7), the valid keys of each warpgroup's 64 from vl.key_rows; dQ is left
+// to dq_visit_body (the recompute form). Per step and warpgroup: S^T, dP^T issued as two
+// groups; phase 1 (exp2 + P quantization) overlaps dP^T; dV issued; phase 2 (dS)
+// overlaps dV; dK issued.
+// (The per-step chain is written out as in dkdv_body: routed through one shared helper,
+// ptxas allocated both kernels' registers differently and spilled 4 - 16 bytes.)
+template <AttnQatBwdPMode MODE>
+__device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUtensorMap* tm_q,
+                                                const CUtensorMap* tm_do, const CUtensorMap* tm_st, uint8_t* smem,
+                                                int b, int h, int kv_block, const VisitLists* vl) {
+  using L = VisitDkdvSmem;
+  constexpr int kD = kVisitD;
+  constexpr uint32_t kStageTx = 2 * L::kTileQ + kQueryTile * sizeof(float4);
+  uint8_t* sK = smem + L::kK;
+  uint8_t* sV = smem + L::kV;
+  const float4* sSt = reinterpret_cast<const float4*>(smem + L::kSt);
+  float2* sScale = reinterpret_cast<float2*>(smem + L::kScale);
+  const uint32_t base = smem_u32(smem);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int kv0 = kv_block * kKeysPerCta;
+  const int64_t list_row = (static_cast<int64_t>(b) * p.H + h) * vl->kv_tiles + kv_block;
+  const int32_t* qlist = vl->q_entries + list_row * vl->q_stride;
+  const int steps = __ldg(vl->q_counts + list_row);
+
+  const VisitStages stages{base + L::kBar, reinterpret_cast<int*>(smem + L::kBar + 8 * kStages)};
+  auto issue = [&](int i) {
+    const int st = i % kStages;
+    const uint32_t bar = stages.bar_full + 8 * st, dst = base + L::kQ + st * 2 * L::kTileQ;
+    const int row0 = (__ldg(qlist + i) >> kAttnQatVisitCountBits) * kQueryTile;
+    sm90::mbar_arrive_expect_tx(bar, kStageTx);
 #pragma unroll
-  for (int n = 0; n < kD / 8; ++n) {
-    const int col = n * 8 + 2 * t4;
-    if (key_ok0) {
-      *reinterpret_cast<uint32_t*>(dk_base + static_cast<int64_t>(key_row0) * p.dk.sl + col) =
-          pack_bf16(dk[n][0] * p.scale, dk[n][1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dv_base + static_cast<int64_t>(key_row0) * p.dv.sl + col) =
-          pack_bf16(dv[n][0], dv[n][1]);
+    for (int half = 0; half < kD / 64; ++half) {
+      sm90::tma_load_4d(dst + half * kQueryTile * kRowBytes, tm_q, bar, 64 * half, row0, h, b);
+      sm90::tma_load_4d(dst + L::kTileQ + half * kQueryTile * kRowBytes, tm_do, bar, 64 * half, row0, h, b);
     }
-    if (key_ok1) {
-      *reinterpret_cast<uint32_t*>(dk_base + static_cast<int64_t>(key_row0 + 8) * p.dk.sl + col) =
-          pack_bf16(dk[n][2] * p.scale, dk[n][3] * p.scale);
-      *reinterpret_cast<uint32_t*>(dv_base + static_cast<int64_t>(key_row0 + 8) * p.dv.sl + col) =
-          pack_bf16(dv[n][2], dv[n][3]);
-    }
+    sm90::tma_load_3d(base + L::kSt + st * kQueryTile * 16, tm_st, bar, 0, row0, b * p.H + h);
+  };
+  if (tid == 0) {
+    stages.init();
+    for (int i = 0; i < kStages && i < steps; ++i) issue(i);
   }
+  load_tile_sw128<kKeysPerCta, kThreads, kD>(sK, p.k, b, h, kv0, p.Lkv, tid);
+  load_tile_sw128<kKeysPerCta, kThreads, kD>(sV, p.v, b, h, kv0, p.Lkv, tid);
+  cp_async_commit();
+  if (tid < 128) {
+    const float S = e4m3_value(static_cast<uint8_t>(tid));
+    sScale[tid] = make_float2(S, tid == 0 ? 0.0f : __frcp_rn(S));
+  }
+  cp_async_wait<0>();
+  fence_proxy_async();  // cp.async data -> visible to the wgmma (async proxy)
+  __syncthreads();      // K, V, the scale table and the barriers are ready
+
+  float dk[16][4], dv[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+
+  const int key_row0 = kv0 + wg * 64 + wq * 16 + g;  // this lane's keys: key_row0, +8
+  // Valid keys of this warpgroup's 64 rows: [kv0 + wg * 64, key_end).
+  const int key_end = kv0 + wg * 64 + __ldg(vl->key_rows + kv_block * 2 + wg);
+  const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > key_end;
+  const bool key_ok0 = key_row0 < key_end, key_ok1 = key_row0 + 8 < key_end;
+  // A warpgroup whose 64 keys are all padding (a KV cube of one physical block) only
+  // takes part in the stage hand-over (broadcast: warp-uniform).
+  const bool idle = __shfl_sync(0xffffffffu, key_end == kv0 + wg * 64 ? 1 : 0, 0) != 0;
+  const uint32_t aK = smem_u32(sK), aV = smem_u32(sV);
+  const bool leader = (tid & 127) == 0;
+
+  for (int i = 0; i < steps; ++i) {
+    const int st = i % kStages;
+    stages.wait(i);
+    if (!idle) {
+      const uint32_t aQ = base + L::kQ + st * 2 * L::kTileQ, adO = aQ + L::kTileQ;
+      const float4* cSt = sSt + st * kQueryTile;
+      float s[8][4], dp[8][4];
+      uint32_t ap[4][4], ads[4][4];  // BF16 A fragments of dV and dK
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_m64n64k16_ss<0>(flat(s), desc_kmajor(aK, kKeysPerCta, wg * 64, kk), desc_kmajor(aQ, kQueryTile, 0, kk),
+                              kk > 0);
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_m64n64k16_ss<0>(flat(dp), desc_kmajor(aV, kKeysPerCta, wg * 64, kk),
+                              desc_kmajor(adO, kQueryTile, 0, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // S^T done; dP^T may still run
+      fence_regs(flat(s));
+      dkdv_phase1<MODE, true>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
+      wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < 4; ++kq)
+        wgmma_m64n128k16_rs<1>(flat(dv), ap[kq], desc_nmajor(adO, kQueryTile, kq * 16));
+      wgmma_commit();
+      wgmma_wait<1>();  // dP^T done; dV may still run
+      fence_regs(flat(dp));
+      dkdv_phase2<MODE>(s, dp, cSt, lane, ads);
+      wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < 4; ++kq)
+        wgmma_m64n128k16_rs<1>(flat(dk), ads[kq], desc_nmajor(aQ, kQueryTile, kq * 16));
+      wgmma_commit();
+      // Leaving dK in flight into the next step makes ptxas serialize every wgmma
+      // (C7515); the other warpgroup keeps the tensor cores busy instead.
+      wgmma_wait<0>();
+      fence_regs(flat(dv));
+      fence_regs(flat(dk));
+    }
+    named_barrier_sync(2 + wg, 128);  // every warp of this warpgroup is done with stage st
+    stages.release(st, i, steps, leader, issue);
+  }
+
+  store_dkdv<kD>(p, b, h, dk, dv, key_row0, key_ok0, key_ok1, t4);
 }
 
 // dQ of query tile q_block over the visit list of vl (the recompute form), per tile of
 // kDqKeyTile keys (per warpgroup, 64 queries): S and dP issued as two groups; exp2
 // overlaps dP; dQ issued. The key tiles are pairs of 64-row blocks of this query tile's
-// list, gathered into the tile's halves (rows past a block's valid count zero-filled
-// and masked).
-__device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, int b, int h, int q_block,
-                                        const VisitLists* vl) {
+// list, gathered into the tile's halves (rows past a block's valid count masked; a
+// missing second block is loaded past the tensor's end: zeros, masked whole).
+__device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
+                                              uint8_t* smem, int b, int h, int q_block, const VisitLists* vl) {
+  using L = VisitDqSmem;
   constexpr int kD = kVisitD;
   constexpr int KT = kDqKeyTile;
-  constexpr int kTileQ = kQueriesPerCta * kD * 2, kTileK = KT * kD * 2;
-  uint8_t* sQ = smem;
-  uint8_t* sdO = sQ + kTileQ;
-  uint8_t* sK = sdO + kTileQ;            // [kStages][kTileK]
-  uint8_t* sV = sK + kStages * kTileK;   // [kStages][kTileK]
+  uint8_t* sQ = smem + L::kQ;
+  uint8_t* sdO = smem + L::kdO;
+  const uint32_t base = smem_u32(smem);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, t4 = lane & 3;
   const int q0 = q_block * kQueriesPerCta;
+  const int64_t list_row = (static_cast<int64_t>(b) * p.H + h) * vl->q_tiles + q_block;
+  const int32_t* klist = vl->kv_entries + list_row * vl->kv_stride;
+  const int kcount = __ldg(vl->kv_counts + list_row);
+  auto kentry = [&](int i) { return i < kcount ? __ldg(klist + i) : 0; };
+  const int steps = (kcount + 1) / 2;
 
+  const VisitStages stages{base + L::kBar, reinterpret_cast<int*>(smem + L::kBar + 8 * kStages)};
+  auto issue = [&](int kb) {
+    const int st = kb % kStages;
+    const uint32_t bar = stages.bar_full + 8 * st, dst = base + L::kK + st * 2 * L::kTileK;
+    sm90::mbar_arrive_expect_tx(bar, 2 * L::kTileK);
+#pragma unroll
+    for (int slot = 0; slot < 2; ++slot) {
+      const int i = 2 * kb + slot;
+      const int row = i < kcount ? (__ldg(klist + i) >> kAttnQatVisitCountBits) * kAttnQatVisitBlockRows : p.Lkv;
+      const uint32_t d = dst + slot * kAttnQatVisitBlockRows * kRowBytes;
+#pragma unroll
+      for (int half = 0; half < kD / 64; ++half) {
+        sm90::tma_load_4d(d + half * KT * kRowBytes, tm_k, bar, 64 * half, row, h, b);
+        sm90::tma_load_4d(d + L::kTileK + half * KT * kRowBytes, tm_v, bar, 64 * half, row, h, b);
+      }
+    }
+  };
+  if (tid == 0) {
+    stages.init();
+    for (int kb = 0; kb < kStages && kb < steps; ++kb) issue(kb);
+  }
   load_tile_sw128<kQueriesPerCta, kThreads, kD>(sQ, p.q, b, h, q0, p.Lq, tid);
   load_tile_sw128<kQueriesPerCta, kThreads, kD>(sdO, p.dout, b, h, q0, p.Lq, tid);
-  // This query tile's list; cur = entries of the tile being computed, nxt = of the next
-  // one (read a step ahead of its cp.async).
-  const int32_t* klist = nullptr;
-  int kcount = 0, cur0 = 0, cur1 = 0, nxt0 = 0, nxt1 = 0;
-  auto kentry = [&](int i) { return i < kcount ? __ldg(klist + i) : 0; };
-  auto load_kv_pair = [&](int e0, int e1, int stage) {
-    load_block_sw128<KT, kThreads>(sK + stage * kTileK, p.k, b, h, e0, 0, tid);
-    load_block_sw128<KT, kThreads>(sK + stage * kTileK, p.k, b, h, e1, 1, tid);
-    load_block_sw128<KT, kThreads>(sV + stage * kTileK, p.v, b, h, e0, 0, tid);
-    load_block_sw128<KT, kThreads>(sV + stage * kTileK, p.v, b, h, e1, 1, tid);
-  };
-  {
-    const int64_t row = (static_cast<int64_t>(b) * p.H + h) * vl->q_tiles + q_block;
-    klist = vl->kv_entries + row * vl->kv_stride;
-    kcount = __ldg(vl->kv_counts + row);
-    cur0 = kentry(0), cur1 = kentry(1);
-    nxt0 = kentry(2), nxt1 = kentry(3);
-    load_kv_pair(cur0, cur1, 0);
-  }
   cp_async_commit();
 
   const int row0 = q0 + wg * 64 + wq * 16 + g;  // this lane's queries: row0, row0 + 8
@@ -497,6 +623,9 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
   const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float4 st0 = row0 < p.Lq ? st_bh[row0] : zero4;
   const float4 st1 = row0 + 8 < p.Lq ? st_bh[row0 + 8] : zero4;
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();  // Q, dO and the barriers are ready
 
   float dq[16][4];
 #pragma unroll
@@ -505,84 +634,64 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
     for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
 
   const uint32_t aQ = smem_u32(sQ), adO = smem_u32(sdO);
-  int nk = (kcount + 1) / 2;
   // A warpgroup whose 64 queries are all padding (a query cube of one physical block)
-  // only loads its share of the tiles and meets the barriers; its dQ rows are 0.
+  // only takes part in the stage hand-over; its dQ rows are 0.
   const bool idle = __shfl_sync(0xffffffffu, __ldg(vl->key_rows + q_block * 2 + wg) == 0 ? 1 : 0, 0) != 0;
-  if (idle) {  // the barriers and loads of the loop below, nothing else
-    for (int kb = 0; kb < nk; ++kb) {
-      cp_async_wait<0>();
-      fence_proxy_async();
-      __syncthreads();
-      if (kb + 1 < nk) {
-        load_kv_pair(nxt0, nxt1, (kb + 1) % kStages);
-        cp_async_commit();
-      }
-      nxt0 = kentry(2 * kb + 4), nxt1 = kentry(2 * kb + 5);
-    }
-    nk = 0;
-  }
-  for (int kb = 0; kb < nk; ++kb) {
-    const int stage = kb % kStages;
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();  // also: both warpgroups are done with block kb-1's stage
-    const uint32_t aK = smem_u32(sK + stage * kTileK), aV = smem_u32(sV + stage * kTileK);
+  const bool leader = (tid & 127) == 0;
+  for (int kb = 0; kb < steps; ++kb) {
+    const int st = kb % kStages;
+    stages.wait(kb);
+    if (!idle) {
+      const uint32_t aK = base + L::kK + st * 2 * L::kTileK, aV = aK + L::kTileK;
+      float s[KT / 8][4], dp[KT / 8][4];
+      uint32_t ads[KT / 16][4];  // BF16 A fragments of dQ += dS K
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_m64n128k16_ss<0>(flat(s), desc_kmajor(aQ, kQueriesPerCta, wg * 64, kk), desc_kmajor(aK, KT, 0, kk),
+                               kk > 0);
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_m64n128k16_ss<0>(flat(dp), desc_kmajor(adO, kQueriesPerCta, wg * 64, kk), desc_kmajor(aV, KT, 0, kk),
+                               kk > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // S done; dP may still run
+      fence_regs(flat(s));
 
-    float s[KT / 8][4], dp[KT / 8][4];
-    uint32_t ads[KT / 16][4];  // BF16 A fragments of dQ += dS K
-    wgmma_fence();
+      // Keys of the tile: [0, key_n0) valid in the first half, [64, 64 + key_n1) in the second.
+      const int key_n0 = kentry(2 * kb) & 127, key_n1 = kentry(2 * kb + 1) & 127;
+      const bool key_tail = key_n0 < kQueryTile || key_n1 < kQueryTile;
+      float pr[KT / 8][4];  // P (kept apart from the accumulator registers of S)
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-      wgmma_m64n128k16_ss<0>(flat(s), desc_kmajor(aQ, kQueriesPerCta, wg * 64, kk), desc_kmajor(aK, KT, 0, kk),
-                             kk > 0);
-    wgmma_commit();
+      for (int j = 0; j < KT / 8; ++j) {
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-      wgmma_m64n128k16_ss<0>(flat(dp), desc_kmajor(adO, kQueriesPerCta, wg * 64, kk), desc_kmajor(aV, KT, 0, kk),
-                             kk > 0);
-    wgmma_commit();
-    if (kb + 1 < nk) {  // prefetch the next block while the tensor cores run
-      load_kv_pair(nxt0, nxt1, (kb + 1) % kStages);
-      cp_async_commit();
-    }
-    wgmma_wait<1>();  // S done; dP may still run
-    fence_regs(flat(s));
-
-    // Keys of the tile: [0, key_n0) valid in the first half, [64, 64 + key_n1) in the second.
-    const int key_n0 = cur0 & 127, key_n1 = cur1 & 127;
-    const bool key_tail = key_n0 < kQueryTile || key_n1 < kQueryTile;
-    float pr[KT / 8][4];  // P (kept apart from the accumulator registers of S)
-#pragma unroll
-    for (int j = 0; j < KT / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float p0 = fast_exp2(fmaf(s[j][e], p.c, -st0.x)) * st0.y;
-        float p1 = fast_exp2(fmaf(s[j][2 + e], p.c, -st1.x)) * st1.y;
-        const bool hi = j >= KT / 16;  // second 64-row block of the tile
-        if (key_tail && (j % (KT / 16)) * 8 + 2 * t4 + e >= (hi ? key_n1 : key_n0)) p0 = p1 = 0.0f;
-        pr[j][e] = p0;
-        pr[j][2 + e] = p1;
+        for (int e = 0; e < 2; ++e) {
+          float p0 = fast_exp2(fmaf(s[j][e], p.c, -st0.x)) * st0.y;
+          float p1 = fast_exp2(fmaf(s[j][2 + e], p.c, -st1.x)) * st1.y;
+          const bool hi = j >= KT / 16;  // second 64-row block of the tile
+          if (key_tail && (j % (KT / 16)) * 8 + 2 * t4 + e >= (hi ? key_n1 : key_n0)) p0 = p1 = 0.0f;
+          pr[j][e] = p0;
+          pr[j][2 + e] = p1;
+        }
       }
-    }
-    wgmma_wait<0>();  // dP done
-    fence_regs(flat(dp));
+      wgmma_wait<0>();  // dP done
+      fence_regs(flat(dp));
 #pragma unroll
-    for (int j = 0; j < KT / 8; ++j) {
-      ads[j >> 1][(j & 1) * 2] =
-          pack_bf16(pr[j][0] * (dp[j][0] - st0.z), pr[j][1] * (dp[j][1] - st0.z));
-      ads[j >> 1][(j & 1) * 2 + 1] =
-          pack_bf16(pr[j][2] * (dp[j][2] - st1.z), pr[j][3] * (dp[j][3] - st1.z));
-    }
-    wgmma_fence();
+      for (int j = 0; j < KT / 8; ++j) {
+        ads[j >> 1][(j & 1) * 2] = pack_bf16(pr[j][0] * (dp[j][0] - st0.z), pr[j][1] * (dp[j][1] - st0.z));
+        ads[j >> 1][(j & 1) * 2 + 1] = pack_bf16(pr[j][2] * (dp[j][2] - st1.z), pr[j][3] * (dp[j][3] - st1.z));
+      }
+      wgmma_fence();
 #pragma unroll
-    for (int kq = 0; kq < KT / 16; ++kq)
-      wgmma_m64n128k16_rs<1>(flat(dq), ads[kq], desc_nmajor(aK, KT, kq * 16));
-    wgmma_commit();
-    wgmma_wait<0>();  // see dkdv_body
-    fence_regs(flat(dq));
-    cur0 = nxt0, cur1 = nxt1;
-    nxt0 = kentry(2 * kb + 4), nxt1 = kentry(2 * kb + 5);
+      for (int kq = 0; kq < KT / 16; ++kq)
+        wgmma_m64n128k16_rs<1>(flat(dq), ads[kq], desc_nmajor(aK, KT, kq * 16));
+      wgmma_commit();
+      wgmma_wait<0>();  // see dkdv_visit_body
+      fence_regs(flat(dq));
+    }
+    named_barrier_sync(2 + wg, 128);  // every warp of this warpgroup is done with stage st
+    stages.release(st, kb, steps, leader, issue);
   }
 
   bf16* dq_base = p.dq.p + b * p.dq.sb + h * p.dq.sh;
@@ -599,6 +708,7 @@ __device__ __forceinline__ void dq_body(const KernelParams& p, uint8_t* smem, in
 }
 #endif  // VQAD_BWD_SM90A
 
+
 // Dynamic shared memory is only guaranteed 16-byte aligned; the swizzle needs 1024.
 __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
   return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
@@ -608,8 +718,11 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
 // their query-block lists first (the longer ones), then dQ CTAs over their key-block
 // lists, which fill the SMs that the last dK/dV wave leaves idle.
 template <AttnQatBwdPMode MODE>
-__global__ void __launch_bounds__(kThreads, 1) fused_visit_kernel(const KernelParams p,
-                                                                 const __grid_constant__ VisitLists vl) {
+__global__ void __launch_bounds__(kThreads, 1)
+    fused_visit_kernel(const KernelParams p, const __grid_constant__ VisitLists vl,
+                       const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                       const __grid_constant__ CUtensorMap tm_st, const __grid_constant__ CUtensorMap tm_k,
+                       const __grid_constant__ CUtensorMap tm_v) {
 #ifdef VQAD_BWD_SM90A
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
@@ -618,14 +731,16 @@ __global__ void __launch_bounds__(kThreads, 1) fused_visit_kernel(const KernelPa
   if (idx < dkdv_ctas) {
     const int blk = static_cast<int>(idx % vl.kv_tiles);
     idx /= vl.kv_tiles;
-    dkdv_body<MODE, true, kVisitD>(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, 0, -1,
-                                 nullptr, &vl);
+    dkdv_visit_body<MODE>(p, &tm_q, &tm_do, &tm_st, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H),
+                          blk, &vl);
   } else {
     idx -= dkdv_ctas;
     const int blk = static_cast<int>(idx % vl.q_tiles);
     idx /= vl.q_tiles;
-    dq_body(p, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, &vl);
+    dq_visit_body(p, &tm_k, &tm_v, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, &vl);
   }
+#else
+  (void)tm_q, (void)tm_do, (void)tm_st, (void)tm_k, (void)tm_v;
 #endif
 }
 
@@ -652,8 +767,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdvq_wgmma_kernel(const KernelPa
   }
   const int bh = static_cast<int>(idx % bh_count);
   const int kv_block = static_cast<int>(idx / bh_count);
-  dkdv_body<MODE, false, D>(p, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block, q_begin, q_end,
-                         part_out);
+  dkdv_body<MODE, D>(p, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block, q_begin, q_end, part_out);
 #endif
 }
 
@@ -802,10 +916,29 @@ void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, At
   const int64_t ctas = static_cast<int64_t>(kp.B) * kp.H * (kv_tiles + q_tiles);
   VQAD_LAUNCH_CHECK(ctas <= 0x7fffffff, kVisitOp, shape(), "expected at most 2^31 - 1 CTAs, found ", ctas);
   VQAD_LAUNCH_CHECK(kp.D == kVisitD, kVisitOp, shape(), "expected head dim ", kVisitD, ", found ", kp.D);
-  const size_t smem = std::max(kDkdvSmem<kVisitD>, kDqSmem);
+  // TMA tensor maps: 64-row boxes of Q, dO, K, V (64 channels, 128-byte swizzle) and of
+  // the row statistics.
+  CUtensorMap maps[5];
+  const InTensor* views[4] = {&kp.q, &kp.dout, &kp.k, &kp.v};
+  const char* names[4] = {"q", "d_out", "k", "v"};
+  const int lens[4] = {kp.Lq, kp.Lq, kp.Lkv, kp.Lkv};
+  for (int i = 0; i < 4; ++i) {
+    const InTensor& t = *views[i];
+    const std::string why = make_blhd_tensor_map(&maps[i < 2 ? i : i + 1], t.p, BlhdStrides{t.sb, t.sl, t.sh, 1},
+                                                 kp.B, lens[i], kp.H, kp.D, kQueryTile);
+    VQAD_LAUNCH_CHECK(why.empty(), kVisitOp, shape(), "tensor ", names[i], ": ", why);
+  }
+  {
+    const std::string why =
+        make_f32x4_rows_tensor_map(&maps[2], kp.stats, kp.Lq, static_cast<int>(static_cast<int64_t>(kp.B) * kp.H),
+                                   kQueryTile);
+    VQAD_LAUNCH_CHECK(why.empty(), kVisitOp, shape(), "workspace (row statistics): ", why);
+  }
+  const size_t smem = kVisitSmem;
   auto launch = [&](auto kernel) {
     set_smem(kVisitOp, kernel, smem, dev, kp);
-    kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(kp, vl);
+    kernel<<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(kp, vl, maps[0], maps[1], maps[2], maps[3],
+                                                                     maps[4]);
   };
   switch (mode) {
     case AttnQatBwdPMode::kConsistent: launch(fused_visit_kernel<AttnQatBwdPMode::kConsistent>); break;
