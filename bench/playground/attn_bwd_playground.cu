@@ -5,7 +5,7 @@
 // nvcc command on a GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -I. \
 //     bench/playground/attn_bwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_bwd.cu \
-//     src/vqad/kernels/attention/sm90/attn_qat_bwd_wgmma.cu \
+//     src/vqad/kernels/attention/sm90/attn_qat_bwd_wgmma.cu src/vqad/kernels/common/tma.cu \
 //     src/vqad/kernels/common/device.cu src/vqad/numerics/attention_qat_ref.cpp \
 //     src/vqad/numerics/nvfp4.cpp -o /tmp/attn_bwd_pg
 //   /tmp/attn_bwd_pg [check] [time] [quick] [impl=mma|wgmma] [json=<path>]
