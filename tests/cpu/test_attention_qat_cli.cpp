@@ -12,6 +12,7 @@
 #include <sstream>
 #include <string>
 
+#include "tests/support/cli.h"
 #include "vqad/io/tensors.h"
 #include "vqad/ops/attention_qat.h"
 
@@ -19,27 +20,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct CliResult {
-  int rc;
-  std::string output;
-};
-
-CliResult run_vqad(const std::string& args, const fs::path& dir) {
-  const fs::path log = dir / "cli.log";
-  const std::string cmd = std::string(VQAD_BINARY) + " " + args + " > " + log.string() + " 2>&1";
-  const int status = std::system(cmd.c_str());
-  std::ifstream in(log);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return {WEXITSTATUS(status), ss.str()};
-}
-
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("vqad_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using vqad::test::CliResult;
+using vqad::test::run_vqad;
+fs::path temp_dir(const std::string& name) { return vqad::test::cli_temp_dir(name); }
 
 }  // namespace
 

@@ -2,38 +2,16 @@
 // build without LibTorch's CUDA libraries checks them, then refuses the command). The
 // timed runs happen on a GPU machine only.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
+
+#include "tests/support/cli.h"
 
 namespace {
 
-namespace fs = std::filesystem;
-
-struct CliResult {
-  int rc;
-  std::string output;
-};
-
-CliResult run_vqad(const std::string& args) {
-  const fs::path dir = fs::temp_directory_path() / ("vqad_test_bench_attention_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  const fs::path log = dir / "cli.log";
-  const std::string cmd = std::string(VQAD_BINARY) + " " + args + " > " + log.string() + " 2>&1";
-  const int status = std::system(cmd.c_str());
-  std::ifstream in(log);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  fs::remove_all(dir);
-  return {WEXITSTATUS(status), ss.str()};
-}
-
-bool has(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
+using vqad::test::CliResult;
+using vqad::test::has;
+CliResult run_vqad(const std::string& args) { return vqad::test::run_vqad_scratch(args, "bench_attention"); }
 
 TEST(BenchAttentionCli, HelpNamesTheHeadDims) {
   const CliResult r = run_vqad("bench attention --help");
