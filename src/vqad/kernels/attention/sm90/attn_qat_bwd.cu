@@ -494,7 +494,7 @@ size_t attn_qat_bwd_workspace_bytes(const AttnQatBwdParams& p) {
 void launch_attn_qat_bwd(const AttnQatBwdParams& p, cudaStream_t stream) {
   using namespace attn_bwd;
   const auto shape = [&] { return shape_str(p); };
-  VQAD_LAUNCH_CHECK(bwd_head_dim_ok(p.head_dim), kOp, shape(), "expected head dim 64 or 128, found ", p.head_dim);
+  VQAD_LAUNCH_CHECK(attn_qat_head_dim_supported(p.head_dim), kOp, shape(), "expected head dim 64 or 128, found ", p.head_dim);
   VQAD_LAUNCH_CHECK(p.batch >= 1 && p.heads >= 1 && p.len_q >= 1 && p.len_kv >= 1, kOp, shape(),
                     "unsupported shape: expected batch, heads and lengths >= 1");
   VQAD_LAUNCH_CHECK(p.batch <= 65535 && p.heads <= 65535, kOp, shape(),

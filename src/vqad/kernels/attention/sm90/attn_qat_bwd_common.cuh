@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/attention/attention_qat_bwd.h"
 #include "vqad/kernels/common/launch.h"
 #include "vqad/kernels/common/device.h"
@@ -19,9 +20,9 @@
 
 namespace vqad::kernels::attn_bwd {
 
-// Head dims of the kernels: 64 and 128 (template parameter D of the dense kernels); the
-// visit-list kernels take 128 (attention::kAttnQatVisitHeadDim).
-constexpr bool bwd_head_dim_ok(int d) { return d == 64 || d == 128; }
+// Head dims: attention::attn_qat_head_dim_supported (template parameter D of the dense
+// kernels); the visit-list kernels take 128 (attention::kAttnQatVisitHeadDim).
+using attention::attn_qat_head_dim_supported;
 using bf16 = __nv_bfloat16;
 
 struct InTensor {
@@ -35,7 +36,7 @@ struct OutTensor {
 
 struct KernelParams {
   int B, H, Lq, Lkv;
-  int D;  // head dim, bwd_head_dim_ok
+  int D;  // head dim, attn_qat_head_dim_supported
   float scale, c;  // c = scale * log2(e)
   InTensor q, k, v, dout, ohp;
   const float* m;

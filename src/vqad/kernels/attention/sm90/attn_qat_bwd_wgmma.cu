@@ -873,7 +873,7 @@ void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const De
   KernelParams kq = kp;
   kq.split_first = static_cast<int>(plan.first);
   kq.split_parts = plan.parts;
-  VQAD_LAUNCH_CHECK(bwd_head_dim_ok(kp.D), kOp, shape(), "expected head dim 64 or 128, found ", kp.D);
+  VQAD_LAUNCH_CHECK(attn_qat_head_dim_supported(kp.D), kOp, shape(), "expected head dim 64 or 128, found ", kp.D);
   VQAD_CUDA_CHECK(cudaMemsetAsync(kp.dq_sem, 0,
                                   static_cast<size_t>(kp.dq_groups) * bh * nq * sizeof(int), stream));
   auto run = [&](auto d) {

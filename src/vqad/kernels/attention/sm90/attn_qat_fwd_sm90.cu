@@ -51,9 +51,8 @@ namespace {
 constexpr int kBM = kAttnQatBlockM;
 constexpr int kBN = kAttnQatBlockN;
 static_assert(kBM == 128 && kBN == 128, "the forward kernel: 128 x 128 tiles");
-// Head dims: 64 or 128 (kernel template parameter D), a tile row being one or two
-// 64-channel halves of 128 bytes.
-constexpr bool head_dim_ok(int d) { return d == 64 || d == 128; }
+// Head dims: attn_qat_head_dim_supported (kernel template parameter D), a tile row being
+// one or two 64-channel halves of 128 bytes.
 
 // The kernel's parameters: AttnQatFwdParams with each view's pointer and strides apart,
 // filled by the launcher after its checks.
@@ -620,7 +619,7 @@ void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, co
 // Checks shared by both KV sources; returns scale * log2(e).
 float check_fwd_params(const char* op, const AttnQatFwdParams& p) {
   const auto shape = [&] { return shape_str(p); };
-  VQAD_LAUNCH_CHECK(head_dim_ok(p.head_dim), op, shape(), "expected head dim 64 or 128, found ", p.head_dim);
+  VQAD_LAUNCH_CHECK(attn_qat_head_dim_supported(p.head_dim), op, shape(), "expected head dim 64 or 128, found ", p.head_dim);
   VQAD_LAUNCH_CHECK(p.batch > 0 && p.heads > 0 && p.len_q > 0 && p.len_kv > 0 && p.heads <= 65535 &&
                         p.batch <= 65535,
                     op, shape(), "unsupported shape: expected positive sizes and B, H <= 65535");
