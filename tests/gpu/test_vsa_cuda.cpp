@@ -55,6 +55,7 @@ struct Case {
   aq::BwdMode bwd = aq::BwdMode::kConsistent;
   bool gate = true;
   uint32_t seed = 1;
+  bool zero_q = false;  // q = 0: every coarse score ties exactly (selection by index alone)
 };
 
 std::string describe(const Case& c) {
@@ -295,7 +296,9 @@ void run_case(const Case& cs) {
   const int64_t B = cs.B, H = cs.H, L = t.num_tokens(), nc = t.num_cubes;
   std::mt19937 rng(cs.seed * 7919u + 17u);
   const size_t n = static_cast<size_t>(B * L * H * kD);
-  const std::vector<float> q = randn(n, 1.0f, rng), k = randn(n, 1.0f, rng), v = randn(n, 1.0f, rng);
+  std::vector<float> q = randn(n, 1.0f, rng);
+  const std::vector<float> k = randn(n, 1.0f, rng), v = randn(n, 1.0f, rng);
+  if (cs.zero_q) std::fill(q.begin(), q.end(), 0.0f);
   const std::vector<float> gate = cs.gate ? randn(n, 0.5f, rng) : std::vector<float>();
   const std::vector<float> d_o = randn(n, 1.0f, rng);
 
@@ -328,6 +331,11 @@ void run_case(const Case& cs) {
                                         cs.selection == vr::Selection::kTopP ? cs.top_p : 1.0, &msg);
     EXPECT_TRUE(ok) << "selection differs beyond score ties: " << msg << " in " << ctx;
     if (!msg.empty()) std::printf("  selection: %s\n", msg.c_str());
+    if (cs.zero_q) {
+      // Exact ties everywhere: the lists are the reference's, entry for entry.
+      EXPECT_EQ(g.sel.count, ref_sel.count) << "selection counts with tied scores, " << ctx;
+      EXPECT_EQ(g.sel.index, ref_sel.index) << "selection lists with tied scores, " << ctx;
+    }
     if (!ok) return;
   }
   saved.selection = g.sel;
@@ -449,6 +457,35 @@ TEST(VsaCuda, QatC128DenseLists) {
   // wgmma forward), so the list prefetch runs over many tiles.
   Case c{"qat-c128-dense-lists", 1, 1, 8, 8, 24, vr::kCubeC128, 0.0};
   c.seed = 8;
+  run_case(c);
+}
+
+TEST(VsaCuda, Bf16C128TiedScores) {
+  // q = 0: all coarse scores are exactly 0, so top-k keeps the lowest cube indices.
+  Case c{"bf16-c128-tied", 1, 2, 5, 6, 10, vr::kCubeC128, 0.6};
+  c.quantize = false;
+  c.zero_q = true;
+  c.seed = 9;
+  run_case(c);
+}
+
+TEST(VsaCuda, QatC64TiedScoresTopP) {
+  // Uniform coarse probabilities: top-p keeps the first ceil(top_p * nc) cubes by index.
+  Case c{"qat-c64-tied-top-p", 2, 1, 6, 5, 7, vr::kCubeC64, 0.3};
+  c.selection = vr::Selection::kTopP;
+  c.top_p = 0.35;
+  c.zero_q = true;
+  c.seed = 10;
+  run_case(c);
+}
+
+TEST(VsaCuda, Bf16C128ManyCubesOneFrame) {
+  // 1 x 7 x 28 = 196 cubes of 32 tokens: the coarse kernels' dynamic shared memory is
+  // just under 48 KiB, their static memory takes the block past it (the launch must opt
+  // in); partial cubes in t.
+  Case c{"bf16-c128-196-cubes", 1, 1, 1, 28, 224, vr::kCubeC128, 0.9};
+  c.quantize = false;
+  c.seed = 11;
   run_case(c);
 }
 

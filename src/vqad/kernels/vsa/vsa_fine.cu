@@ -16,7 +16,7 @@
 //         (attn_bwd launch_wgmma_visit_kernels: dK/dV CTA = one KV cube, dQ CTA = one
 //         query cube over 128-key pairs of visited blocks; the streamed operands come by
 //         TMA as they are, so the tiled tensors' padding rows must be finite: the tiling
-//         writes zeros there, fine_stats_kernel zero statistics).
+//         writes zeros there, the dO pass zero statistics).
 //   C64:  fine_dkdv_kernel and fine_dq_kernel below (mma.sync m16n8k16, bf16 in, fp32
 //         accumulate).
 //
@@ -28,7 +28,7 @@
 //                     P = exp2(s - m), P^ = NVFP4(P) per 16 keys against that max, l from
 //                     bf16(P), O += bf16(P^) V, O_hp += bf16(P) V: the dense ATTN_QAT_TRAIN
 //                     forward's arithmetic (same exp2, same scale table and rounding).
-//   fine_stats_kernel: per tiled row {m, 1/l, delta = rowsum(dO * O_hp)} (zeros for padding).
+//   (the row statistics {m, 1/l, delta = rowsum(dO * O_hp)} come from vsa_pipeline.cu's dO pass)
 //   fine_dkdv_kernel: (C64) CTA = one 64-key block; loops over the 64-query blocks of the query
 //                     cubes that selected its cube (inverse lists, ascending), forming
 //                     dK, dV in registers (the dense mma.sync dK/dV step: S^T = K Q^T so a
@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams 
     if constexpr (QUANT_P) {
       *reinterpret_cast<uint32_t*>(oh_base + o0) = pack_bf16(acch[n][0] / l0, acch[n][1] / l0);
       *reinterpret_cast<uint32_t*>(oh_base + o1) = pack_bf16(acch[n][2] / l1, acch[n][3] / l1);
-    } else {
+    } else if (oh_base != o_base) {
       *reinterpret_cast<uint32_t*>(oh_base + o0) = pack_bf16(acc[n][0] / l0, acc[n][1] / l0);
       *reinterpret_cast<uint32_t*>(oh_base + o1) = pack_bf16(acc[n][2] / l1, acc[n][3] / l1);
     }
@@ -394,38 +394,6 @@ __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams 
     p.l[so] = l0;
     p.l[so + 8] = l1;
   }
-}
-
-// ---------------------------------------------------------------------------
-// Backward: row statistics
-// ---------------------------------------------------------------------------
-__global__ void __launch_bounds__(256) fine_stats_kernel(const bf16* d_o, const bf16* o_hp, const float* m,
-                                                         const float* l, const int32_t* block_tokens,
-                                                         float4* stats, int64_t rows, int P) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const int slot = static_cast<int>(row % P);
-  const bool valid = (slot % kBT) < block_tokens[slot / kBT];
-  if (!valid) {
-    if (lane == 0) stats[row] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    return;
-  }
-  const uint2 dv = *reinterpret_cast<const uint2*>(d_o + row * kD + lane * 4);
-  const uint2 ov = *reinterpret_cast<const uint2*>(o_hp + row * kD + lane * 4);
-  const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&dv);
-  const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&ov);
-  float acc = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float2 df = __bfloat1622float2(d2[e]);
-    const float2 of = __bfloat1622float2(o2[e]);
-    acc = fmaf(df.x, of.x, acc);
-    acc = fmaf(df.y, of.y, acc);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) stats[row] = make_float4(m[row], 1.0f / l[row], acc, 0.0f);
 }
 
 // ---------------------------------------------------------------------------
@@ -770,7 +738,7 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
     fp.k = BlhdIn{tiled_k, st};
     fp.v = BlhdIn{tiled_v, st};
     fp.o = BlhdOut{o_tiled, st};
-    fp.o_hp = BlhdOut{o_hp_tiled, st};
+    fp.o_hp = o_hp_tiled == o_tiled ? BlhdOut{} : BlhdOut{o_hp_tiled, st};  // one write without P quantization
     fp.m = m;
     fp.l = l;
     fp.batch = c.batch;
@@ -817,17 +785,6 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
 }
 
 namespace detail {
-
-void launch_fine_stats(const VsaConfig& c, const void* d_o_tiled, const void* o_hp_tiled, const float* m,
-                       const float* l, void* stats, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(c.batch) * c.heads * c.tiling.padded_len;
-  VQAD_LAUNCH_CHECK((rows + 7) / 8 <= 0x7fffffff, "vsa fine stats", shape_str(c),
-                    "expected at most 2^34 tiled rows, found ", rows);
-  fine_stats_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
-      static_cast<const bf16*>(d_o_tiled), static_cast<const bf16*>(o_hp_tiled), m, l, c.tiling.block_tokens,
-      static_cast<float4*>(stats), rows, c.tiling.padded_len);
-  VQAD_CUDA_CHECK_LAUNCH("vsa fine_stats_kernel");
-}
 
 void launch_fine_dkdv(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
                       const void* d_o_tiled, const void* stats, const int32_t* inv_index, const int32_t* inv_count,
@@ -890,7 +847,7 @@ size_t fine_backward_scratch_bytes(const VsaConfig& c) {
 void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
                            const void* d_o_tiled, const void* stats, const int32_t* sel_index,
                            const int32_t* sel_count, const int32_t* inv_index, const int32_t* inv_count,
-                           void* dq_tiled, void* dk_tiled, void* dv_tiled, void* scratch, cudaStream_t stream) {
+                           const FineBwdRaster& out, void* scratch, cudaStream_t stream) {
   VQAD_LAUNCH_CHECK(vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs,
                     kFineBackwardOp, shape_str(c), "expected 2 physical blocks per cube, found ",
                     c.tiling.blocks_per_cube);
@@ -923,7 +880,6 @@ void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* 
   const int64_t P = c.tiling.padded_len;
   const int64_t sb = static_cast<int64_t>(c.heads) * P * kD, sh = P * kD, sl = kD;
   auto in = [&](const void* x) { return attn_bwd::InTensor{static_cast<const bf16*>(x), sb, sl, sh}; };
-  auto out = [&](void* x) { return attn_bwd::OutTensor{static_cast<bf16*>(x), sb, sl, sh}; };
   attn_bwd::KernelParams kp{};
   kp.B = c.batch;
   kp.H = c.heads;
@@ -936,9 +892,13 @@ void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* 
   kp.v = in(tiled_v);
   kp.dout = in(d_o_tiled);
   kp.ohp = attn_bwd::InTensor{nullptr, 0, 0, 0};
-  kp.dq = out(dq_tiled);
-  kp.dk = out(dk_tiled);
-  kp.dv = out(dv_tiled);
+  auto raster = [&](const BlhdOut& x, const char* name) {
+    check_blhd(kFineBackwardOp, name, x, [&] { return shape_str(c); });
+    return attn_bwd::OutTensor{static_cast<bf16*>(x.data), x.stride.b, x.stride.l, x.stride.h};
+  };
+  kp.dq = raster(out.dq, "dq");
+  kp.dk = raster(out.dk, "dk");
+  kp.dv = raster(out.dv, "dv");
   kp.stats = static_cast<float4*>(const_cast<void*>(stats));
   attn_bwd::VisitLists vl{};
   vl.q_entries = q_entries;
@@ -949,6 +909,12 @@ void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* 
   vl.kv_stride = c.topk * bpc;
   vl.key_rows = c.tiling.block_tokens;
   vl.kv_tiles = vl.q_tiles = nc;
+  vl.row_to_token = c.tiling.slot_to_token;
+  vl.coarse_dq = out.dq_c;
+  vl.coarse_dk = out.dk_c;
+  vl.coarse_dv = out.dv_c;
+  vl.coarse_group_rows = bpc * kBT;
+  vl.coarse_groups = nc;
   const AttnQatBwdPMode mode = !(c.quantize && c.quant_p) ? AttnQatBwdPMode::kNone
                                : c.bwd_fastvideo          ? AttnQatBwdPMode::kFastVideo
                                                           : AttnQatBwdPMode::kConsistent;

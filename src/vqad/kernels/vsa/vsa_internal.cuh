@@ -13,10 +13,6 @@ namespace vqad::kernels::vsa::detail {
 // "B=.. H=.. grid TxHxW L=.. cubes=.. P=.. topk=.." for error messages.
 std::string shape_str(const VsaConfig& c);
 
-// Row statistics of the backward, one float4 {m, 1/l, delta, 0} per tiled row (zeros for
-// padding rows); d_o_tiled and o_hp tiled BF16.
-void launch_fine_stats(const VsaConfig& c, const void* d_o_tiled, const void* o_hp_tiled,
-                       const float* m, const float* l, void* stats, cudaStream_t stream);
 // dK, dV (fine parts, tiled BF16) per KV block over the query cubes of the inverse lists
 // inv_index [B, H, nc, nc] / inv_count [B, H, nc].
 void launch_fine_dkdv(const VsaConfig& c, const void* tiled_q, const void* tiled_k,
@@ -29,15 +25,24 @@ void launch_fine_dq(const VsaConfig& c, const void* tiled_q, const void* tiled_k
                     const int32_t* sel_index, const int32_t* sel_count, void* dq_tiled,
                     cudaStream_t stream);
 
-// C128 (vsa_fine_forward_kernel == kWgmmaPairs): dQ, dK, dV (fine parts, tiled BF16) in
-// one launch of the ATTN_QAT_TRAIN wgmma backward over visit lists (attn_bwd
+// C128 (vsa_fine_forward_kernel == kWgmmaPairs): dQ, dK, dV in one launch of the
+// ATTN_QAT_TRAIN wgmma backward over visit lists (attn_bwd
 // launch_wgmma_visit_kernels): dK/dV per KV cube over the query blocks of the inverse
 // lists, dQ per query cube over the forward's visited blocks; scratch holds
 // fine_backward_scratch_bytes(c).
+// The results go to the raster outputs directly (the untiling fused into the kernel's
+// epilogue): dX = bf16(bf16(dX_fine) + dX_c[cube]) for X = q, k, v, dX_c the coarse
+// gradients already divided by the cube's count (null: zero gate, no coarse term).
+struct FineBwdRaster {
+  BlhdOut dq, dk, dv;
+  const float* dq_c = nullptr;
+  const float* dk_c = nullptr;
+  const float* dv_c = nullptr;
+};
 size_t fine_backward_scratch_bytes(const VsaConfig& c);
 void launch_fine_bwd_wgmma(const VsaConfig& c, const void* tiled_q, const void* tiled_k, const void* tiled_v,
                            const void* d_o_tiled, const void* stats, const int32_t* sel_index,
                            const int32_t* sel_count, const int32_t* inv_index, const int32_t* inv_count,
-                           void* dq_tiled, void* dk_tiled, void* dv_tiled, void* scratch, cudaStream_t stream);
+                           const FineBwdRaster& out, void* scratch, cudaStream_t stream);
 
 }  // namespace vqad::kernels::vsa::detail

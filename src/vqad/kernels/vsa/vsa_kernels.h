@@ -10,15 +10,16 @@
 //   lists   INT32 [B, H, nc, max_kv] ascending KV cube indices (-1 past the count) + [B, H, nc] counts.
 //
 // Kernels (all deterministic: no floating-point atomics, fixed summation orders):
-//   tiling gather (+ NVFP4 fake quant of Q / K / V, bit-exact with fake_quant_qkv),
-//   coarse pooling, coarse scores + softmax + out_c, selection (top-k / top-p), the
-//   fine-stage forward over the lists (vsa_fine_forward_kernel below; empty blocks
-//   skipped, partial ones masked),
-//   the inverse (KV cube -> query cubes) lists, the fine-stage backward (dK/dV per KV
-//   block over the query cubes that selected it, dQ per query block over its list; C128
-//   on the ATTN_QAT_TRAIN wgmma backward with visit lists, one CTA per cube, C64 on
-//   mma.sync),
-//   the coarse backward and the gated combine / scatter back to raster order.
+//   tiling gather (+ NVFP4 fake quant of Q / K / V, bit-exact with fake_quant_qkv) with
+//   the coarse pooling in the same pass, the coarse forward (scores + softmax + out_c +
+//   top-k / top-p selection) in one kernel, the fine-stage forward over the lists
+//   (vsa_fine_forward_kernel below; empty blocks skipped, partial ones masked), the gated
+//   combine; backward: the dO pass (tiling, d out_c, row statistics, dgate), the coarse
+//   backward, the inverse (KV cube -> query cubes) lists, the fine-stage backward (dK/dV
+//   per KV block over the query cubes that selected it, dQ per query block over its list;
+//   C128 on the ATTN_QAT_TRAIN wgmma backward with visit lists, one CTA per cube, writing
+//   the raster rows with the coarse terms added; C64 on mma.sync, then a scatter back to
+//   raster order).
 // Errors (shapes, strides, alignment, devices) throw vqad::Error naming the stage, the
 // tensor, the shape and the device with its arch (the launch convention of
 // kernels/common/launch.h).
@@ -144,7 +145,8 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
 void launch_tile(const VsaConfig& c, BlhdIn src, void* dst_tiled, bool quantize, cudaStream_t stream);
 
 // Fine-stage forward over the lists: o (quantized-P path) and o_hp (BF16-P path; equal to
-// o without P quantization) tiled BF16, m and l [B, H, P]; scratch holds
+// o without P quantization, when o_hp_tiled may be o_tiled: written once) tiled BF16, m
+// and l [B, H, P]; scratch holds
 // fine_forward_scratch_bytes(c) (256-byte aligned; the C128 visit lists). Rows of empty
 // query blocks are not written.
 size_t fine_forward_scratch_bytes(const VsaConfig& c);

@@ -1,13 +1,17 @@
 // VSA pipeline (numerics/vsa_ref.h steps 1-5 and the backward): tiling gather with the
 // NVFP4 fake quantization of the fine-stage operands and, in the same pass, the coarse
-// pooling (tile_pool_kernel; the backward's dO tiling with d out_c), coarse scores /
-// softmax / out_c, top-k / top-p selection, the inverse lists, the gated combine and
-// the coarse backward, plus the orchestration of vsa_forward / vsa_backward.
+// pooling (tile_pool_kernel; the backward's dO pass also writes d out_c, the fine stage's
+// row statistics and dgate), the coarse forward in one kernel (scores, softmax, out_c and
+// the top-k / top-p selection), the inverse lists, the gated combine, the coarse backward
+// and the C64 untiling, plus the orchestration of vsa_forward / vsa_backward (the C128
+// backward's untiling is the visit kernel's epilogue).
 //
-// The small stages are plain fp32 CUDA code that follows the reference's summation
-// orders (sums over slots in slot order, dot products over d in order, row sums of the
-// softmax in index order, IEEE-rounded mul / add / div intrinsics so nvcc cannot contract
-// them), which keeps the coarse scores, and so the selection, equal to the reference's.
+// The forward's small stages are plain fp32 CUDA code that follows the reference's
+// summation orders (sums over slots in slot order, dot products over d in order, row sums
+// of the softmax in index order, IEEE-rounded mul / add / div intrinsics so nvcc cannot
+// contract them), which keeps the coarse means and scores, and so the selection, equal to
+// the reference's; out_c and the backward's coarse sums use FMA chains in fixed orders
+// (compared with the reference by tolerance).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -19,6 +23,7 @@
 #include "vqad/core/error.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/common/nvfp4_math.h"
+#include "vqad/kernels/common/sm90_ptx.cuh"
 #include "vqad/kernels/vsa/vsa_internal.cuh"
 #include "vqad/kernels/vsa/vsa_kernels.h"
 
@@ -80,43 +85,121 @@ __device__ __forceinline__ void load8f(const float* p, float* x) {
 // sums channel d over the cube's valid slots (the first cube_tokens[cube]) in slot order,
 // an fp32 chain with IEEE add (the reference's order):
 //   Pool::kMean    pool = bf16(sum / count) of src (the coarse means q_c, k_c, v_c);
-//   Pool::kMulSum  pool = the sum of src * mul (fp32; d out_c = pool of dO * gate).
+//   Pool::kMulSum  pool = the sum of src * mul (fp32; d out_c = pool of dO * gate; the
+//                  backward's, compared with the reference by tolerance: each thread sums
+//                  the products of its rows, r = its row group mod 16, and thread d adds
+//                  the 16 partial sums in order, a fixed order without staging the rows).
+// The backward's dO pass (STATS) also writes, per tiled row, the fine stage's statistics
+// {m, 1/l, delta = rowsum(dO * O_hp), 0} (zeros for padding rows; delta summed as one warp
+// of 4 channels per lane and a butterfly from lane distance 16 down, the order of the
+// dense kernel's statistics), and, when dgate is set, dgate = bf16(dO * out_c[cube]) in
+// raster order.
 enum class Pool { kNone, kMean, kMulSum };
-template <Pool POOL>
-__global__ void __launch_bounds__(kD) tile_pool_kernel(const bf16* src, int64_t sb, int64_t sl, int64_t sh,
-                                                       const bf16* mul, int64_t mb, int64_t ml, int64_t mh, bf16* dst,
-                                                       const int32_t* slot_to_token, const int32_t* cube_tokens, int H,
-                                                       int P, int nc, int cube_slots, bool quantize, float* pool) {
-  extern __shared__ uint4 s_rows[];  // kMean: [cube_slots][kD] src; kMulSum: then [cube_slots][kD] mul
+struct TileArgs {
+  const bf16* src;
+  int64_t sb, sl, sh;
+  const bf16* mul;  // kMulSum
+  int64_t mb, ml, mh;
+  bf16* dst;
+  const int32_t* slot_to_token;
+  const int32_t* cube_tokens;
+  int H, P, nc, cube_slots;
+  bool quantize;
+  float* pool;  // kMean / kMulSum
+  // STATS only
+  const bf16* o_hp;  // tiled
+  const float* m;
+  const float* l;
+  float4* stats;
+  const float* out_c;  // with dgate
+  bf16* dgate;         // may be null
+  int64_t gb, gl, gh;
+};
+template <Pool POOL, bool STATS>
+__global__ void __launch_bounds__(kD) tile_pool_kernel(const TileArgs a) {
+  extern __shared__ uint4 s_rows[];  // kMean: [cube_slots][kD] src; kMulSum: [kRowGroups][kD] fp32 partial sums
   constexpr int kGroups = kD / 16;   // 16-channel groups per row
+  constexpr int kRowGroups = kD / kGroups;  // rows per step of the block
+  static_assert(kD % 16 == 0 && kGroups == 8 && kD % (kGroups * 32 / 8) == 0,
+                "tile_pool_kernel: a row is 8 consecutive lanes of 16 channels");
   const int cube = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
-  const int64_t bh = static_cast<int64_t>(b) * H + h;
-  const int32_t* slots = slot_to_token + static_cast<int64_t>(cube) * cube_slots;
-  bf16* out = dst + (bh * P + static_cast<int64_t>(cube) * cube_slots) * kD;
-  for (int gi = t; gi < cube_slots * kGroups; gi += kD) {
+  const int64_t bh = static_cast<int64_t>(b) * a.H + h;
+  const int32_t* slots = a.slot_to_token + static_cast<int64_t>(cube) * a.cube_slots;
+  const int64_t row0 = bh * a.P + static_cast<int64_t>(cube) * a.cube_slots;
+  bf16* out = a.dst + row0 * kD;
+  // cube_slots * kGroups is a multiple of kD, so every thread runs the same steps (the
+  // statistics' shuffles need whole warps)
+  float part_sum[POOL == Pool::kMulSum ? 16 : 1];
+#pragma unroll
+  for (int i = 0; i < (POOL == Pool::kMulSum ? 16 : 1); ++i) part_sum[i] = 0.0f;
+#pragma unroll 2
+  for (int gi = t; gi < a.cube_slots * kGroups; gi += kD) {
     const int r = gi / kGroups, cg = gi % kGroups;
     const int tok = __ldg(slots + r);
     uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
     if (tok >= 0) {
-      const bf16* sp = src + b * sb + static_cast<int64_t>(tok) * sl + h * sh + cg * 16;
+      const bf16* sp = a.src + b * a.sb + static_cast<int64_t>(tok) * a.sl + h * a.sh + cg * 16;
       lo = __ldg(reinterpret_cast<const uint4*>(sp));
       hi = __ldg(reinterpret_cast<const uint4*>(sp + 8));
     }
-    if constexpr (POOL != Pool::kNone) {
+    if constexpr (POOL == Pool::kMean) {
       s_rows[gi * 2] = lo;
       s_rows[gi * 2 + 1] = hi;
     }
     if constexpr (POOL == Pool::kMulSum) {
-      uint4 mlo = make_uint4(0, 0, 0, 0), mhi = mlo;
-      if (tok >= 0) {
-        const bf16* mp = mul + b * mb + static_cast<int64_t>(tok) * ml + h * mh + cg * 16;
-        mlo = __ldg(reinterpret_cast<const uint4*>(mp));
-        mhi = __ldg(reinterpret_cast<const uint4*>(mp + 8));
+      if (tok >= 0) {  // padding rows add nothing
+        const bf16* mp = a.mul + b * a.mb + static_cast<int64_t>(tok) * a.ml + h * a.mh + cg * 16;
+        float x[16], y[16];
+        unpack8(lo, x);
+        unpack8(hi, x + 8);
+        unpack8(__ldg(reinterpret_cast<const uint4*>(mp)), y);
+        unpack8(__ldg(reinterpret_cast<const uint4*>(mp + 8)), y + 8);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) part_sum[i] = __fadd_rn(part_sum[i], __fmul_rn(x[i], y[i]));
       }
-      s_rows[(cube_slots * kGroups + gi) * 2] = mlo;
-      s_rows[(cube_slots * kGroups + gi) * 2 + 1] = mhi;
     }
-    if (quantize && tok >= 0) {
+    if constexpr (STATS) {
+      float x[16], o[16];
+      unpack8(lo, x);
+      unpack8(hi, x + 8);
+      const int64_t row = row0 + r;
+      if (tok >= 0) {
+        const uint4* op = reinterpret_cast<const uint4*>(a.o_hp + row * kD + cg * 16);
+        unpack8(__ldg(op), o);
+        unpack8(__ldg(op + 1), o + 8);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) o[i] = 0.0f;
+      }
+      float part[4];  // the dense statistics' lanes cg * 4 + s, 4 channels each
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc = fmaf(x[s * 4 + i], o[s * 4 + i], acc);
+        part[s] = acc;
+      }
+      // lane distances 16, 8, 4 are row threads cg ^ 4, 2, 1; distances 2, 1 are within
+#pragma unroll
+      for (int off = 4; off > 0; off >>= 1)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) part[s] += __shfl_xor_sync(0xffffffffu, part[s], off);
+      const float delta = (part[0] + part[2]) + (part[1] + part[3]);
+      if (cg == 0)
+        a.stats[row] = tok >= 0 ? make_float4(a.m[row], 1.0f / a.l[row], delta, 0.0f) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (a.dgate != nullptr && tok >= 0) {
+        const float* oc = a.out_c + (bh * a.nc + cube) * kD + cg * 16;
+        float g[16];
+        load8f(oc, g);
+        load8f(oc + 8, g + 8);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) g[i] = __fmul_rn(x[i], g[i]);
+        uint4* gp = reinterpret_cast<uint4*>(a.dgate + b * a.gb + static_cast<int64_t>(tok) * a.gl + h * a.gh + cg * 16);
+        gp[0] = pack8(g);
+        gp[1] = pack8(g + 8);
+      }
+    }
+    if (a.quantize && tok >= 0) {
       float x[16];
       unpack8(lo, x);
       unpack8(hi, x + 8);
@@ -128,53 +211,99 @@ __global__ void __launch_bounds__(kD) tile_pool_kernel(const bf16* src, int64_t 
     d[0] = lo;
     d[1] = hi;
   }
-  if constexpr (POOL != Pool::kNone) {
+  if constexpr (POOL == Pool::kMean) {
     __syncthreads();
     const bf16* rows = reinterpret_cast<const bf16*>(s_rows);
-    const bf16* mrows = rows + static_cast<int64_t>(cube_slots) * kD;
-    const int n = cube_tokens[cube];
+    const int n = a.cube_tokens[cube];
     float sum = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      const float x = __bfloat162float(rows[i * kD + t]);
-      if constexpr (POOL == Pool::kMean) {
-        sum = __fadd_rn(sum, x);
-      } else {
-        sum = __fadd_rn(sum, __fmul_rn(x, __bfloat162float(mrows[i * kD + t])));
-      }
-    }
-    pool[(bh * nc + cube) * kD + t] = POOL == Pool::kMean ? bf16r(__fdiv_rn(sum, static_cast<float>(n))) : sum;
+    for (int i = 0; i < n; ++i) sum = __fadd_rn(sum, __bfloat162float(rows[i * kD + t]));
+    a.pool[(bh * a.nc + cube) * kD + t] = bf16r(__fdiv_rn(sum, static_cast<float>(n)));
+  }
+  if constexpr (POOL == Pool::kMulSum) {
+    float* s_part = reinterpret_cast<float*>(s_rows);  // [kRowGroups][kD]
+    const int rg = t / kGroups, cg = t % kGroups;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s_part[rg * kD + cg * 16 + i] = part_sum[i];
+    __syncthreads();
+    float sum = 0.0f;
+#pragma unroll
+    for (int g = 0; g < kRowGroups; ++g) sum = __fadd_rn(sum, s_part[g * kD + t]);
+    a.pool[(bh * a.nc + cube) * kD + t] = sum;
   }
 }
 
+using sm90::cp_async16;
+using sm90::cp_async_commit;
+using sm90::cp_async_wait;
+
+// One step of a two-buffer cp.async pipeline (each stage one commit group): issues the
+// next stage when there is one, waits for the current one and synchronizes the block.
+template <class StageNext>
+__device__ __forceinline__ void cp_async_pipeline_step(bool has_next, StageNext&& stage_next) {
+  if (has_next) {
+    stage_next();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
 // The coarse stage's cube-by-cube dot products: R rows a_r (query-cube rows, staged in
-// shared memory) against the rows j = j0 + threadIdx.x of b [nc, D] (global), each dot an
-// fp32 chain over d in order with IEEE-rounded mul and add (the reference's order, so the
-// scores and the selection stay equal to it). The rows of b pass through shared memory 32
-// channels at a time, transposed, so that the loads are coalesced and consecutive threads
-// read consecutive banks; R rows per block read b once for all of them. Every thread of the
-// block calls it (it synchronizes); s_a must be written before the call.
+// shared memory) against row j = j0 + threadIdx.x of b [nc, D] (global), each dot an fp32
+// chain over d in order with IEEE-rounded mul and add (the reference's order, so the
+// scores and the selection stay equal to it). The block's rows of b pass through shared
+// memory kDotChunk channels at a time by cp.async (coalesced 64-byte row pieces, two
+// buffers: the next chunk loads while this one is used), rows kDotStride floats apart so
+// that each thread's float4 reads of its own row are conflict-free; the a_r are broadcast
+// float4 reads. Warps whose rows all lie past nc skip the products (their dots are not
+// used). Every thread of the block calls it (it synchronizes); s_a must be written and
+// synchronized before the call; s_b holds 2 * kDotStageFloats.
 constexpr int kCoarseThreads = 256;
-constexpr int kCoarseChunk = 32;
 constexpr int kCoarseRows = 4;  // query-cube rows per block
+constexpr int kDotChunk = 16, kDotStride = kDotChunk + 4;
+constexpr int kDotStageFloats = kCoarseThreads * kDotStride;
+static_assert(kD % kDotChunk == 0 && (kCoarseThreads * kDotChunk / 4) % kCoarseThreads == 0 &&
+                  kCoarseThreads % kD == 0 && (kCoarseRows * kD) % kCoarseThreads == 0,
+              "coarse kernels: whole 16-byte pieces per thread, whole rows of d per thread group");
 template <int R>
-__device__ __forceinline__ void coarse_dots(const float (*s_a)[kD], const float* b, int nc, int j0,
-                                            float (*s_b)[kCoarseThreads + 1], float (&dot)[R]) {
+__device__ __forceinline__ void coarse_dots(const float (*s_a)[kD], const float* b, int nc, int j0, float* s_b,
+                                            float (&dot)[R]) {
   const int tid = threadIdx.x;
+  constexpr int kPieces = kDotChunk / 4, kLoads = kCoarseThreads * kPieces / kCoarseThreads;
+  auto stage = [&](int buf, int c0) {
+    float* dst = s_b + buf * kDotStageFloats;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int e = tid + i * kCoarseThreads, row = e / kPieces, piece = e % kPieces;
+      if (j0 + row < nc)
+        cp_async16(dst + row * kDotStride + piece * 4, b + static_cast<int64_t>(j0 + row) * kD + c0 + piece * 4, true);
+    }
+    cp_async_commit();
+  };
 #pragma unroll
   for (int r = 0; r < R; ++r) dot[r] = 0.0f;
-  for (int c0 = 0; c0 < kD; c0 += kCoarseChunk) {
-    __syncthreads();  // the previous chunk is consumed (and s_a written, on the first)
-    for (int e = tid; e < kCoarseThreads * kCoarseChunk; e += kCoarseThreads) {
-      const int jr = e / kCoarseChunk, c = e % kCoarseChunk, j = j0 + jr;
-      s_b[c][jr] = j < nc ? b[static_cast<int64_t>(j) * kD + c0 + c] : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll 8
-    for (int c = 0; c < kCoarseChunk; ++c) {
-      const float x = s_b[c][tid];
+  const bool active = j0 + (tid & ~31) < nc;
+  constexpr int kChunks = kD / kDotChunk;
+  stage(0, 0);
+  for (int c = 0; c < kChunks; ++c) {
+    cp_async_pipeline_step(c + 1 < kChunks, [&] { stage((c + 1) & 1, (c + 1) * kDotChunk); });  // chunk c is in
+    if (active) {
+      const float* row = s_b + (c & 1) * kDotStageFloats + tid * kDotStride;
 #pragma unroll
-      for (int r = 0; r < R; ++r) dot[r] = __fadd_rn(dot[r], __fmul_rn(s_a[r][c0 + c], x));
+      for (int i = 0; i < kPieces; ++i) {
+        const float4 x = *reinterpret_cast<const float4*>(row + 4 * i);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float4 a = *reinterpret_cast<const float4*>(&s_a[r][c * kDotChunk + 4 * i]);
+          dot[r] = __fadd_rn(dot[r], __fmul_rn(a.x, x.x));
+          dot[r] = __fadd_rn(dot[r], __fmul_rn(a.y, x.y));
+          dot[r] = __fadd_rn(dot[r], __fmul_rn(a.z, x.z));
+          dot[r] = __fadd_rn(dot[r], __fmul_rn(a.w, x.w));
+        }
+      }
     }
+    __syncthreads();  // buffer c & 1 is free for chunk c + 2
   }
 }
 
@@ -206,144 +335,224 @@ __device__ __forceinline__ void block_row_max(float (&v)[R], float (*s_red)[kCoa
   __syncthreads();
 }
 
-// Scores and softmax of R query cube rows, one block per (b, h, R rows). The row of
-// `probs` holds the exponentials before the division (each thread reads back only its own
-// entries, the row sums run after a barrier in index order).
+// Dynamic shared memory of the coarse row kernels (floats): a staging area (the two
+// buffers of coarse_dots, then coarse_forward_kernel's two v_c buffers, then its
+// 3 * R * nc selection ints) and two [R][nc] rows (scores / dprobs and probs).
+constexpr int kCoarseVRows = 32;  // v_c rows per out_c step (coarse_forward_kernel)
+constexpr int kCoarseVLoads = kCoarseVRows * kD / 4 / kCoarseThreads;  // 16-byte pieces per thread and step
+static_assert(kCoarseVLoads * kCoarseThreads * 4 == kCoarseVRows * kD, "coarse v_c steps of whole pieces per thread");
+__host__ __device__ constexpr int coarse_stage_floats(int R, int nc) {
+  return 2 * kDotStageFloats > 2 * kCoarseVRows * kD
+             ? (2 * kDotStageFloats > 3 * R * nc ? 2 * kDotStageFloats : 3 * R * nc)
+             : (2 * kCoarseVRows * kD > 3 * R * nc ? 2 * kCoarseVRows * kD : 3 * R * nc);
+}
+constexpr size_t coarse_smem_bytes(int R, int nc) {
+  return (static_cast<size_t>((coarse_stage_floats(R, nc) + 3) / 4 * 4) + 2 * static_cast<size_t>(R) * nc) * 4;
+}
+
+// Orderable key of a score: larger float, larger key; NaN ranks as -inf and -0 as +0 (the
+// reference's comparisons).
+__device__ __forceinline__ uint32_t score_key(float x) {
+  x = x != x ? -INFINITY : (x == 0.0f ? 0.0f : x);
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Selection of one query cube row by one warp (the reference's rule): rank_j counts the
+// cubes ahead of j (higher score, or equal score and lower index); top-k takes rank < topk,
+// top-p (only with top_p < 1) the first n ranks whose probabilities, summed in rank order
+// in fp32, reach top_p, 1 <= n <= topk. The list is written in ascending cube index, -1
+// past the count. Without comparing every pair: the key T of rank topk - 1 is found bit by
+// bit (the largest T with at least topk keys >= T), the candidates are the keys above T
+// and the first (topk - #above) keys equal to T in index order, which are exactly the
+// ranks < topk; top-p ranks the candidates among themselves (s_sorted) and keeps the
+// first n. s_key, s_cand and s_sorted hold nc entries (warp-private).
+// Out of line: inlined into coarse_forward_kernel, ptxas spills 8 bytes there.
+__device__ __noinline__ void select_row_warp(const float* s_score, const float* s_prob, uint32_t* s_key, int* s_cand,
+                                int* s_sorted, int nc, int topk, bool top_p_mode, float top_p, int32_t* out,
+                                int32_t* count) {
+  const int lane = threadIdx.x & 31;
+  for (int j = lane; j < nc; j += 32) s_key[j] = score_key(s_score[j]);
+  __syncwarp();
+  uint32_t t = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t cand = t | (1u << bit);
+    int n = 0;
+    for (int j = lane; j < nc; j += 32) n += s_key[j] >= cand ? 1 : 0;
+    if (__reduce_add_sync(0xffffffffu, n) >= topk) t = cand;
+  }
+  int above = 0;
+  for (int j = lane; j < nc; j += 32) above += s_key[j] > t ? 1 : 0;
+  above = __reduce_add_sync(0xffffffffu, above);
+  // Candidates in ascending index: keys above T, and keys equal to T while the equal ones
+  // seen so far (index order) are fewer than topk - above.
+  int taken_eq = 0, ncand = 0;
+  for (int j0 = 0; j0 < nc; j0 += 32) {
+    const int j = j0 + lane;
+    const uint32_t key = j < nc ? s_key[j] : 0u;
+    const unsigned eq = __ballot_sync(0xffffffffu, j < nc && key == t);
+    const bool is_cand = j < nc && (key > t || (key == t && taken_eq + __popc(eq & ((1u << lane) - 1u)) < topk - above));
+    const unsigned cb = __ballot_sync(0xffffffffu, is_cand);
+    if (is_cand) s_cand[ncand + __popc(cb & ((1u << lane) - 1u))] = j;
+    ncand += __popc(cb);
+    taken_eq += __popc(eq);
+  }
+  __syncwarp();
+  int n = topk;  // ncand == topk
+  if (top_p_mode) {
+    // rank of each candidate among the candidates = its rank in the row
+    for (int e = lane; e < ncand; e += 32) {
+      const int j = s_cand[e];
+      const uint32_t kj = s_key[j];
+      int r = 0;
+      for (int f = 0; f < ncand; ++f) {
+        const int i = s_cand[f];
+        const uint32_t ki = s_key[i];
+        r += (ki > kj || (ki == kj && i < j)) ? 1 : 0;
+      }
+      s_sorted[r] = j;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      float cum = 0.0f;
+      n = 0;
+      for (int r = 0; r < ncand; ++r) {
+        cum = __fadd_rn(cum, s_prob[s_sorted[r]]);
+        n = r + 1;
+        if (cum >= top_p) break;
+      }
+      n = n < 1 ? 1 : n;
+    }
+    n = __shfl_sync(0xffffffffu, n, 0);
+    // The kept candidates (ranks < n) get a key no score has (0xffffffff would be a NaN,
+    // which ranks as -inf); the list keeps the candidates' ascending order.
+    for (int r = lane; r < n; r += 32) s_key[s_sorted[r]] = 0xffffffffu;
+    __syncwarp();
+    int written = 0;
+    for (int e0 = 0; e0 < ncand; e0 += 32) {
+      const int e = e0 + lane;
+      const int j = e < ncand ? s_cand[e] : 0;
+      const bool kept = e < ncand && s_key[j] == 0xffffffffu;
+      const unsigned kb = __ballot_sync(0xffffffffu, kept);
+      if (kept) out[written + __popc(kb & ((1u << lane) - 1u))] = j;
+      written += __popc(kb);
+    }
+    for (int e = written + lane; e < topk; e += 32) out[e] = -1;
+    if (lane == 0) *count = written;
+    return;
+  }
+  for (int e = lane; e < topk; e += 32) out[e] = e < ncand ? s_cand[e] : -1;
+  if (lane == 0) *count = ncand;
+}
+
+// The whole coarse forward of R query cube rows, one block per (b, h, R rows): scores,
+// softmax (probs written), out_c = bf16(probs . v_c) and the selection. Dynamic shared
+// memory: coarse_smem_bytes(R, nc).
 template <int R>
-__global__ void __launch_bounds__(kCoarseThreads) coarse_scores_kernel(const float* q_c, const float* k_c,
-                                                                       float* scores, float* probs, int H, int nc,
-                                                                       float scale) {
-  __shared__ float s_b[kCoarseChunk][kCoarseThreads + 1];
-  __shared__ float s_a[R][kD];
+__global__ void __launch_bounds__(kCoarseThreads) coarse_forward_kernel(const float* q_c, const float* k_c,
+                                                                        const float* v_c, float* probs,
+                                                                        float* out_c, int32_t* sel_index,
+                                                                        int32_t* sel_count, int H, int nc, float scale,
+                                                                        int topk, bool top_p_mode, float top_p) {
+  static_assert(R <= kCoarseThreads / 32, "coarse_forward_kernel: one warp per row in the selection");
+  extern __shared__ float4 s_dyn4[];
+  float* s_stage = reinterpret_cast<float*>(s_dyn4);
+  float* s_row = s_stage + (coarse_stage_floats(R, nc) + 3) / 4 * 4;  // [R][nc] scores
+  float* s_p = s_row + R * nc;                                        // [R][nc] exps, then probs
+  __shared__ __align__(16) float s_a[R][kD];
   __shared__ float s_red[R][kCoarseThreads / 32];
   __shared__ float s_max[R], s_sum[R];
   const int i0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int rows = min(R, nc - i0);
   const int64_t bh = static_cast<int64_t>(b) * H + h;
   load_coarse_rows<R>(q_c + bh * nc * kD, i0, nc, s_a);
+  __syncthreads();
   const float* kb = k_c + bh * nc * kD;
-  float* srow = scores + (bh * nc + i0) * nc;
-  float* prow = probs + (bh * nc + i0) * nc;
   float mx[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) mx[r] = -INFINITY;
   for (int j0 = 0; j0 < nc; j0 += kCoarseThreads) {
     float dot[R];
-    coarse_dots<R>(s_a, kb, nc, j0, s_b, dot);
+    coarse_dots<R>(s_a, kb, nc, j0, s_stage, dot);
     const int j = j0 + tid;
     if (j < nc) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r >= rows) break;
         const float sc = __fmul_rn(dot[r], scale);
-        srow[static_cast<int64_t>(r) * nc + j] = sc;
-        prow[static_cast<int64_t>(r) * nc + j] = sc;
+        s_row[r * nc + j] = sc;
         mx[r] = fmaxf(mx[r], sc);
       }
     }
   }
+  // v_c rows for out_c by cp.async, kCoarseVRows per step into two buffers of the staging
+  // area (free after the dots' last barrier); the first step loads during the softmax.
+  const float* vb = v_c + bh * nc * kD;
+  auto stage_v = [&](int buf, int j0) {
+    const int n4 = min(kCoarseVRows, nc - j0) * (kD / 4);
+    float* dst = s_stage + buf * kCoarseVRows * kD;
+    const float* src = vb + static_cast<int64_t>(j0) * kD;
+#pragma unroll
+    for (int i = 0; i < kCoarseVLoads; ++i) {
+      const int e = tid + i * kCoarseThreads;
+      if (e < n4) cp_async16(dst + e * 4, src + e * 4, true);
+    }
+    cp_async_commit();
+  };
+  stage_v(0, 0);
   block_row_max<R>(mx, s_red, s_max);
   for (int r = 0; r < rows; ++r)
-    for (int j = tid; j < nc; j += kCoarseThreads) {
-      float* p = prow + static_cast<int64_t>(r) * nc + j;
-      *p = expf(__fsub_rn(*p, s_max[r]));
-    }
+    for (int j = tid; j < nc; j += kCoarseThreads) s_p[r * nc + j] = expf(__fsub_rn(s_row[r * nc + j], s_max[r]));
   __syncthreads();
   if (tid < rows) {
-    const float* p = prow + static_cast<int64_t>(tid) * nc;
+    const float* p = s_p + tid * nc;
     float sum = 0.0f;
 #pragma unroll 8
     for (int j = 0; j < nc; ++j) sum = __fadd_rn(sum, p[j]);
     s_sum[tid] = sum;
   }
   __syncthreads();
+  float* prow = probs + (bh * nc + i0) * nc;
   for (int r = 0; r < rows; ++r)
     for (int j = tid; j < nc; j += kCoarseThreads) {
-      float* p = prow + static_cast<int64_t>(r) * nc + j;
-      *p = __fdiv_rn(*p, s_sum[r]);
+      const float pv = __fdiv_rn(s_p[r * nc + j], s_sum[r]);
+      s_p[r * nc + j] = pv;
+      prow[static_cast<int64_t>(r) * nc + j] = pv;
     }
-}
-
-// out_c = bf16(probs . v_c), one thread per (b, h, i, d), sum over j in order.
-__global__ void coarse_out_kernel(const float* probs, const float* v_c, float* out_c, int H, int nc) {
-  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, d = threadIdx.x;
-  const int64_t bh = static_cast<int64_t>(b) * H + h;
-  const float* prow = probs + (bh * nc + i) * nc;
-  const float* vb = v_c + bh * nc * kD + d;
-  float acc = 0.0f;
-#pragma unroll 8
-  for (int j = 0; j < nc; ++j) acc = __fadd_rn(acc, __fmul_rn(prow[j], vb[static_cast<int64_t>(j) * kD]));
-  out_c[(bh * nc + i) * kD + d] = bf16r(acc);
-}
-
-// Selection of one query cube row, one block per (b, h, i). rank_j counts the cubes
-// ahead of j (higher score, or equal score and lower index); top-k takes rank < topk,
-// top-p (only with top_p < 1) the first n ranks whose probabilities, summed in rank
-// order in fp32, reach top_p, 1 <= n <= topk. The list is written in ascending cube index, -1 past the count.
-__global__ void select_kernel(const float* scores, const float* probs, int32_t* sel_index, int32_t* sel_count,
-                              int H, int nc, int topk, bool top_p_mode, float top_p) {
-  extern __shared__ int sh_sel[];
-  float* s_row = reinterpret_cast<float*>(sh_sel);  // [nc]
-  int* s_rank = sh_sel + nc;                        // [nc]
-  int* s_sorted = sh_sel + 2 * nc;                  // [nc]
-  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-  const int64_t row = (static_cast<int64_t>(b) * H + h) * nc + i;
-  for (int j = tid; j < nc; j += blockDim.x) {
-    const float x = scores[row * nc + j];
-    s_row[j] = x != x ? -INFINITY : x;  // NaN ranks as -inf, as the reference
-  }
-  __syncthreads();
-  for (int j = tid; j < nc; j += blockDim.x) {
-    const float sj = s_row[j];
-    int r = 0;
-    for (int k = 0; k < nc; ++k) {
-      const float sk = s_row[k];
-      r += (sk > sj || (sk == sj && k < j)) ? 1 : 0;
+  // out_c = bf16(probs . v_c), an fp32 FMA chain over j in order per (row, d) (compared
+  // with the reference, which rounds each product, by tolerance).
+  constexpr int kRowStep = kCoarseThreads / kD, kRowsPerThread = R / kRowStep;
+  const int d = tid % kD, r_first = tid / kD;
+  float acc[kRowsPerThread];
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) acc[k] = 0.0f;
+  for (int step = 0, j0 = 0; j0 < nc; ++step, j0 += kCoarseVRows) {
+    const int n = min(kCoarseVRows, nc - j0);
+    // step's rows are in (and, first step, probs complete)
+    cp_async_pipeline_step(j0 + kCoarseVRows < nc, [&] { stage_v((step + 1) & 1, j0 + kCoarseVRows); });
+    const float* vrows = s_stage + (step & 1) * kCoarseVRows * kD;
+    for (int jj = 0; jj < n; ++jj) {
+      const float x = vrows[jj * kD + d];
+#pragma unroll
+      for (int k = 0; k < kRowsPerThread; ++k)
+        acc[k] = fmaf(s_p[(r_first + k * kRowStep) * nc + j0 + jj], x, acc[k]);
     }
-    s_rank[j] = r;
-    s_sorted[r] = j;
+    __syncthreads();  // buffer step & 1 is free for step + 2
   }
-  __syncthreads();
-  __shared__ int s_n;
-  __shared__ int s_warp[32];
-  if (tid == 0) {
-    int n = topk;
-    if (top_p_mode) {
-      const float* prow = probs + row * nc;
-      float cum = 0.0f;
-      n = 0;
-      for (int r = 0; r < topk; ++r) {
-        cum = __fadd_rn(cum, prow[s_sorted[r]]);
-        n = r + 1;
-        if (cum >= top_p) break;
-      }
-      n = n < 1 ? 1 : n;
-    }
-    s_n = n;
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    const int r = r_first + k * kRowStep;
+    if (r < rows) out_c[(bh * nc + i0 + r) * kD + d] = bf16r(acc[k]);
   }
-  __syncthreads();
-  // The selected cubes (rank < n) in ascending index: each chunk of blockDim.x cubes is
-  // compacted by warp ballots and the counts of the warps before.
-  const int n = s_n, lane = tid & 31, warp = tid >> 5, warps = blockDim.x / 32;
-  int32_t* out = sel_index + row * topk;
-  int base = 0;
-  for (int j0 = 0; j0 < nc; j0 += blockDim.x) {
-    const int j = j0 + tid;
-    const bool sel = j < nc && s_rank[j] < n;
-    const unsigned bits = __ballot_sync(0xffffffffu, sel);
-    if (lane == 0) s_warp[warp] = __popc(bits);
-    __syncthreads();
-    int off = base, total = 0;
-    for (int w = 0; w < warps; ++w) {
-      off += w < warp ? s_warp[w] : 0;
-      total += s_warp[w];
-    }
-    if (sel) out[off + __popc(bits & ((1u << lane) - 1u))] = j;
-    __syncthreads();
-    base += total;
+  // Selection, one warp per row; warp w's nc-entry key / candidate / sorted arrays.
+  const int warp = tid >> 5;
+  if (warp < rows) {
+    uint32_t* s_key = reinterpret_cast<uint32_t*>(s_stage) + warp * 3 * nc;
+    int* s_cand = reinterpret_cast<int*>(s_key + nc);
+    const int64_t row = bh * nc + i0 + warp;
+    select_row_warp(s_row + warp * nc, s_p + warp * nc, s_key, s_cand, s_cand + nc, nc, topk, top_p_mode, top_p,
+                    sel_index + row * topk, sel_count + row);
   }
-  for (int e = base + tid; e < topk; e += blockDim.x) out[e] = -1;
-  if (tid == 0) sel_count[row] = base;
 }
 
 // Transposed selection mask: mask_t[b, h, kv, qc] = 1 for every selected (qc, kv); the
@@ -410,13 +619,17 @@ __global__ void combine_kernel(const bf16* o_fine, const float* out_c, const bf1
 
 // Coarse backward of R query cube rows, one block per (b, h, R rows):
 // dprobs_ij = d_outc_i . v_c_j; ds_ij = probs_ij * (dprobs_ij - sum_k probs_ik dprobs_ik) * scale.
-// The row of dscores holds dprobs until the last step (each thread rewrites its own entries).
+// The rows of probs and dprobs stay in shared memory (dscores_smem_bytes).
 template <int R>
-__global__ void __launch_bounds__(kCoarseThreads) coarse_dscores_kernel(const float* d_outc, const float* v_c,
+// (At least 3 blocks per SM: without the bound ptxas stops at 64 registers and spills.)
+__global__ void __launch_bounds__(kCoarseThreads, 3) coarse_dscores_kernel(const float* d_outc, const float* v_c,
                                                                         const float* probs, float* dscores, int H,
                                                                         int nc, float scale) {
-  __shared__ float s_b[kCoarseChunk][kCoarseThreads + 1];
-  __shared__ float s_a[R][kD];
+  extern __shared__ float4 s_dyn4[];
+  float* s_stage = reinterpret_cast<float*>(s_dyn4);  // coarse_dots' buffers
+  float* s_dp = s_stage + 2 * kDotStageFloats;        // [R][nc] dprobs
+  float* s_p = s_dp + R * nc;                         // [R][nc] probs
+  __shared__ __align__(16) float s_a[R][kD];
   __shared__ float s_dot[R];
   const int i0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int rows = min(R, nc - i0);
@@ -425,77 +638,147 @@ __global__ void __launch_bounds__(kCoarseThreads) coarse_dscores_kernel(const fl
   const float* vb = v_c + bh * nc * kD;
   const float* prow = probs + (bh * nc + i0) * nc;
   float* drow = dscores + (bh * nc + i0) * nc;
+  for (int e = tid; e < rows * nc; e += kCoarseThreads) s_p[e] = __ldg(prow + e);
+  __syncthreads();
   for (int j0 = 0; j0 < nc; j0 += kCoarseThreads) {
     float dot[R];
-    coarse_dots<R>(s_a, vb, nc, j0, s_b, dot);
+    coarse_dots<R>(s_a, vb, nc, j0, s_stage, dot);
     const int j = j0 + tid;
     if (j < nc) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r >= rows) break;
-        drow[static_cast<int64_t>(r) * nc + j] = dot[r];
+        s_dp[r * nc + j] = dot[r];
       }
     }
   }
   __syncthreads();
   if (tid < rows) {
-    const float* p = prow + static_cast<int64_t>(tid) * nc;
-    const float* dp = drow + static_cast<int64_t>(tid) * nc;
+    const float* p = s_p + tid * nc;
+    const float* dp = s_dp + tid * nc;
     float acc = 0.0f;
 #pragma unroll 8
     for (int j = 0; j < nc; ++j) acc = __fadd_rn(acc, __fmul_rn(p[j], dp[j]));
     s_dot[tid] = acc;
   }
   __syncthreads();
-  for (int r = 0; r < rows; ++r)
-    for (int j = tid; j < nc; j += kCoarseThreads) {
-      const int64_t o = static_cast<int64_t>(r) * nc + j;
-      drow[o] = __fmul_rn(__fmul_rn(prow[o], __fsub_rn(drow[o], s_dot[r])), scale);
-    }
+  for (int e = tid; e < rows * nc; e += kCoarseThreads)
+    drow[e] = __fmul_rn(__fmul_rn(s_p[e], __fsub_rn(s_dp[e], s_dot[e / nc])), scale);
 }
 
-// Cube-mean gradients, one thread per (b, h, cube c, d) (ds holds the scale), written
-// divided by the cube's token count (what each of its tokens receives):
+// Cube-mean gradients of kDqkvCubes cubes c per block (b, h, c0 ..), written divided by
+// the cube's token count (what each of its tokens receives; ds holds the scale):
 // dq_c[c] = sum_j ds[c][j] k_c[j] / n_c; dk_c[c] = sum_i ds[i][c] q_c[i] / n_c;
-// dv_c[c] = sum_i probs[i][c] d_outc[i] / n_c.
-// The block first stages row c of ds and column c of ds and probs in shared memory
-// (3 * nc floats, loaded in parallel; the column reads are strided).
-__global__ void __launch_bounds__(kD) coarse_dqkv_kernel(const float* dscores, const float* probs, const float* q_c,
-                                                         const float* k_c, const float* d_outc,
-                                                         const int32_t* cube_tokens, float* dq_c, float* dk_c,
-                                                         float* dv_c, int H, int nc) {
-  extern __shared__ float s_vec[];  // [3][nc]: ds[c][j], ds[j][c], probs[j][c]
-  const int cidx = blockIdx.x, h = blockIdx.y, b = blockIdx.z, d = threadIdx.x;
+// dv_c[c] = sum_i probs[i][c] d_outc[i] / n_c (fp32 FMA chains over j in order; the
+// backward is compared with the reference by tolerance, only the forward bit for bit).
+// Thread = (channel pair, cube group): 2 channels x kDqkvGroupCubes cubes x 3 gradients
+// of chains, so that every shared-memory read feeds several FMAs. The block stages rows c
+// of ds and columns c of ds and probs once ([3][nc][kDqkvCubes], the cubes innermost: a
+// group's factors are float4 broadcasts), and the rows of k_c, q_c and d_outc kDqkvChunk
+// at a time by cp.async into two buffers (the next chunk loads while this one is used).
+constexpr int kDqkvCubes = 16, kDqkvGroupCubes = 4, kDqkvThreads = (kD / 2) * (kDqkvCubes / kDqkvGroupCubes);
+constexpr int kDqkvChunk = 16;
+constexpr int kDqkvChunkFloats = 3 * kDqkvChunk * kD;  // one buffer: k_c, q_c, d_outc rows
+constexpr int kDqkvLoads = kDqkvChunkFloats / 4 / kDqkvThreads;
+static_assert(kDqkvLoads * kDqkvThreads * 4 == kDqkvChunkFloats && (kD / 2) % 32 == 0 && kDqkvGroupCubes % 4 == 0,
+              "coarse_dqkv_kernel: whole 16-byte pieces per thread, one cube group per warp");
+constexpr size_t dqkv_smem_bytes(int nc) {
+  return (static_cast<size_t>(3) * nc * kDqkvCubes + 2 * static_cast<size_t>(kDqkvChunkFloats)) * 4;
+}
+__global__ void __launch_bounds__(kDqkvThreads) coarse_dqkv_kernel(const float* dscores, const float* probs,
+                                                                   const float* q_c, const float* k_c,
+                                                                   const float* d_outc, const int32_t* cube_tokens,
+                                                                   float* dq_c, float* dk_c, float* dv_c, int H,
+                                                                   int nc) {
+  extern __shared__ float4 s_dyn4[];
+  float* s_vec = reinterpret_cast<float*>(s_dyn4);  // [3][nc][kDqkvCubes]
+  float* s_rows = s_vec + 3 * nc * kDqkvCubes;      // [2][3][kDqkvChunk][kD]: k_c, q_c, d_outc
+  const int c0 = blockIdx.x * kDqkvCubes, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int ncubes = min(kDqkvCubes, nc - c0);
   const int64_t bh = static_cast<int64_t>(b) * H + h;
   const float* ds = dscores + bh * nc * nc;
   const float* pr = probs + bh * nc * nc;
-  for (int j = d; j < nc; j += kD) {
-    s_vec[j] = ds[static_cast<int64_t>(cidx) * nc + j];
-    s_vec[nc + j] = ds[static_cast<int64_t>(j) * nc + cidx];
-    s_vec[2 * nc + j] = pr[static_cast<int64_t>(j) * nc + cidx];
+  const float* kb = k_c + bh * nc * kD;
+  const float* qb = q_c + bh * nc * kD;
+  const float* gb = d_outc + bh * nc * kD;
+  auto stage = [&](int buf, int j0) {
+    const int n4 = min(kDqkvChunk, nc - j0) * (kD / 4);
+#pragma unroll
+    for (int i = 0; i < kDqkvLoads; ++i) {
+      const int e = tid + i * kDqkvThreads, m = e / (kDqkvChunk * kD / 4), o = e % (kDqkvChunk * kD / 4);
+      if (o < n4)
+        cp_async16(s_rows + buf * kDqkvChunkFloats + (m * kDqkvChunk * kD / 4 + o) * 4,
+                   (m == 0 ? kb : m == 1 ? qb : gb) + static_cast<int64_t>(j0) * kD + o * 4, true);
+    }
+    cp_async_commit();
+  };
+  stage(0, 0);  // in flight while the factors are staged
+  // rows c of ds: consecutive threads read consecutive j
+#pragma unroll 8
+  for (int e = tid; e < kDqkvCubes * nc; e += kDqkvThreads) {
+    const int u = e / nc, j = e % nc;
+    s_vec[j * kDqkvCubes + u] = u < ncubes ? __ldg(ds + static_cast<int64_t>(c0 + u) * nc + j) : 0.0f;
   }
-  __syncthreads();
-  const float* qb = q_c + bh * nc * kD + d;
-  const float* kb = k_c + bh * nc * kD + d;
-  const float* gb = d_outc + bh * nc * kD + d;
-  float aq = 0.0f, ak = 0.0f, av = 0.0f;
-#pragma unroll 4
-  for (int j = 0; j < nc; ++j) {
-    const int64_t jr = static_cast<int64_t>(j) * kD;
-    aq = __fadd_rn(aq, __fmul_rn(s_vec[j], kb[jr]));
-    ak = __fadd_rn(ak, __fmul_rn(s_vec[nc + j], qb[jr]));
-    av = __fadd_rn(av, __fmul_rn(s_vec[2 * nc + j], gb[jr]));
+  // columns c of ds and probs: consecutive threads read consecutive cubes of one row j
+#pragma unroll 8
+  for (int e = tid; e < nc * kDqkvCubes; e += kDqkvThreads) {
+    const int j = e / kDqkvCubes, u = e % kDqkvCubes;
+    const bool ok = u < ncubes;
+    s_vec[(nc + j) * kDqkvCubes + u] = ok ? __ldg(ds + static_cast<int64_t>(j) * nc + c0 + u) : 0.0f;
+    s_vec[(2 * nc + j) * kDqkvCubes + u] = ok ? __ldg(pr + static_cast<int64_t>(j) * nc + c0 + u) : 0.0f;
   }
-  const int64_t o = (bh * nc + cidx) * kD + d;
-  const float cnt = static_cast<float>(cube_tokens[cidx]);
-  dq_c[o] = __fdiv_rn(aq, cnt);
-  dk_c[o] = __fdiv_rn(ak, cnt);
-  dv_c[o] = __fdiv_rn(av, cnt);
+  const int d = 2 * (tid % (kD / 2)), grp = tid / (kD / 2);  // channels d, d + 1; cubes grp * kDqkvGroupCubes ..
+  float aq[kDqkvGroupCubes][2], ak[kDqkvGroupCubes][2], av[kDqkvGroupCubes][2];
+#pragma unroll
+  for (int u = 0; u < kDqkvGroupCubes; ++u)
+#pragma unroll
+    for (int x = 0; x < 2; ++x) aq[u][x] = ak[u][x] = av[u][x] = 0.0f;
+  for (int step = 0, j0 = 0; j0 < nc; ++step, j0 += kDqkvChunk) {
+    const int n = min(kDqkvChunk, nc - j0);
+    // this chunk's rows (and, first step, s_vec) are in
+    cp_async_pipeline_step(j0 + kDqkvChunk < nc, [&] { stage((step + 1) & 1, j0 + kDqkvChunk); });
+    const float* rows = s_rows + (step & 1) * kDqkvChunkFloats;
+#pragma unroll 2
+    for (int jj = 0; jj < n; ++jj) {
+      const int j = j0 + jj;
+      const float2 kx = *reinterpret_cast<const float2*>(rows + jj * kD + d);
+      const float2 qx = *reinterpret_cast<const float2*>(rows + (kDqkvChunk + jj) * kD + d);
+      const float2 gx = *reinterpret_cast<const float2*>(rows + (2 * kDqkvChunk + jj) * kD + d);
+#pragma unroll
+      for (int q4 = 0; q4 < kDqkvGroupCubes / 4; ++q4) {
+        const int off = grp * kDqkvGroupCubes + q4 * 4;
+        const float4 fq = *reinterpret_cast<const float4*>(s_vec + j * kDqkvCubes + off);
+        const float4 fk = *reinterpret_cast<const float4*>(s_vec + (nc + j) * kDqkvCubes + off);
+        const float4 fv = *reinterpret_cast<const float4*>(s_vec + (2 * nc + j) * kDqkvCubes + off);
+        const float vq[4] = {fq.x, fq.y, fq.z, fq.w}, vk[4] = {fk.x, fk.y, fk.z, fk.w}, vv[4] = {fv.x, fv.y, fv.z, fv.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          float* q2 = aq[q4 * 4 + u];
+          float* k2 = ak[q4 * 4 + u];
+          float* v2 = av[q4 * 4 + u];
+          q2[0] = fmaf(vq[u], kx.x, q2[0]), q2[1] = fmaf(vq[u], kx.y, q2[1]);
+          k2[0] = fmaf(vk[u], qx.x, k2[0]), k2[1] = fmaf(vk[u], qx.y, k2[1]);
+          v2[0] = fmaf(vv[u], gx.x, v2[0]), v2[1] = fmaf(vv[u], gx.y, v2[1]);
+        }
+      }
+    }
+    __syncthreads();  // buffer step & 1 is free for step + 2
+  }
+#pragma unroll
+  for (int u = 0; u < kDqkvGroupCubes; ++u) {
+    const int cu = grp * kDqkvGroupCubes + u;
+    if (cu >= ncubes) continue;
+    const int64_t o = (bh * nc + c0 + cu) * kD + d;
+    const float cnt = static_cast<float>(cube_tokens[c0 + cu]);
+    *reinterpret_cast<float2*>(dq_c + o) = make_float2(__fdiv_rn(aq[u][0], cnt), __fdiv_rn(aq[u][1], cnt));
+    *reinterpret_cast<float2*>(dk_c + o) = make_float2(__fdiv_rn(ak[u][0], cnt), __fdiv_rn(ak[u][1], cnt));
+    *reinterpret_cast<float2*>(dv_c + o) = make_float2(__fdiv_rn(av[u][0], cnt), __fdiv_rn(av[u][1], cnt));
+  }
 }
 
 // Raster gradients, one thread per (b, token, h, 8 channels):
 // dX = bf16(dX_fine[slot] + dX_c[cube]) for X = q, k, v, dX_c already divided by the
-// cube's count (no coarse term with a zero gate); dgate = bf16(d_o * out_c[cube]).
+// cube's count (no coarse term with a zero gate). (dgate comes from the dO pass.)
 struct UntileArgs {
   const bf16* dq_f;
   const bf16* dk_f;
@@ -503,14 +786,10 @@ struct UntileArgs {
   const float* dq_c;
   const float* dk_c;
   const float* dv_c;  // null: zero gate (no coarse term)
-  const bf16* d_o;
-  int64_t db_, dl_, dh_;
-  const float* out_c;
   bf16* dq;
   bf16* dk;
   bf16* dv;
-  bf16* dgate;  // may be null
-  int64_t qb_, ql_, qh_, kb_, kl_, kh_, vb_, vl_, vh_, gb_, gl_, gh_;
+  int64_t qb_, ql_, qh_, kb_, kl_, kh_, vb_, vl_, vh_;
   const int32_t* token_to_slot;
   int L, H, P, nc, cube_slots;
   int64_t total;
@@ -546,18 +825,6 @@ __global__ void untile_grads_kernel(const UntileArgs a) {
       }
       *reinterpret_cast<uint4*>(outs[x] + b * ob[x] + static_cast<int64_t>(tok) * ol[x] + h * oh[x] + ch * 8) =
           pack8(f);
-    }
-    if (a.dgate != nullptr) {
-      float g[8];
-      unpack8(__ldg(reinterpret_cast<const uint4*>(a.d_o + b * a.db_ + static_cast<int64_t>(tok) * a.dl_ + h * a.dh_ +
-                                                   ch * 8)),
-              g);
-      float oc[8];
-      load8f(a.out_c + crow, oc);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) g[e] = __fmul_rn(g[e], oc[e]);
-      *reinterpret_cast<uint4*>(a.dgate + b * a.gb_ + static_cast<int64_t>(tok) * a.gl_ + h * a.gh_ + ch * 8) =
-          pack8(g);
     }
   }
 }
@@ -627,6 +894,21 @@ void check_config(const char* op, const VsaConfig& c) {
                     static_cast<int64_t>(c.batch) * c.heads * t.num_cubes);
 }
 
+// Lets kernel launch with smem bytes of dynamic shared memory (refused past what an sm_90
+// block may opt in to with the kernel's static shared memory, naming the stage and the
+// cube count). The attribute is set on every call: the default 48 KiB covers static plus
+// dynamic memory, so a size just under it can still need it.
+constexpr size_t kMaxBlockSmem = 227 * 1024;
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t smem, const char* op, const char* stage, const VsaConfig& c) {
+  cudaFuncAttributes attr{};
+  VQAD_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  VQAD_LAUNCH_CHECK(smem + attr.sharedSizeBytes <= kMaxBlockSmem, op, detail::shape_str(c), stage,
+                    ": expected at most ", kMaxBlockSmem - attr.sharedSizeBytes,
+                    " bytes of dynamic shared memory, found ", smem, " bytes for ", c.tiling.num_cubes, " cubes");
+  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+}
+
 template <typename T>
 T* carve(uint8_t*& cur, size_t bytes) {
   T* p = reinterpret_cast<T*>(cur);
@@ -646,31 +928,64 @@ std::string shape_str(const VsaConfig& c) {
 }  // namespace detail
 
 namespace {
-// tile_pool_kernel over every (cube, h, b) of c; mul and pool as the kernel's POOL needs.
-template <Pool POOL>
+// What the backward's dO pass adds (tile_pool_kernel STATS): the row statistics from the
+// forward's O_hp (tiled), m and l, and dgate (data may be null) from out_c.
+struct DoPassExtras {
+  const void* o_hp = nullptr;
+  const float* m = nullptr;
+  const float* l = nullptr;
+  void* stats = nullptr;
+  const float* out_c = nullptr;
+  BlhdOut dgate;
+};
+// tile_pool_kernel over every (cube, h, b) of c; mul and pool as the kernel's POOL needs,
+// extras with STATS.
+template <Pool POOL, bool STATS = false>
 void launch_tile_pool(const VsaConfig& c, BlhdIn src, BlhdIn mul, void* dst_tiled, bool quantize, float* pool,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const DoPassExtras& extras = {}) {
   check_raster(kTileOp, "tile source", src, c);
   if constexpr (POOL == Pool::kMulSum) check_raster(kTileOp, "pooling factor", mul, c);
   VQAD_LAUNCH_CHECK(dst_tiled != nullptr && reinterpret_cast<uintptr_t>(dst_tiled) % 16 == 0, kTileOp,
                     detail::shape_str(c), "expected a 16-byte aligned destination, found address ", dst_tiled);
   VQAD_LAUNCH_CHECK(POOL == Pool::kNone || pool != nullptr, kTileOp, detail::shape_str(c),
                     "expected a pooling output, found null");
+  if constexpr (STATS) {
+    VQAD_LAUNCH_CHECK(extras.o_hp && extras.m && extras.l && extras.stats, kTileOp, detail::shape_str(c),
+                      "expected O_hp, m, l and the statistics buffer, found a null one");
+    if (extras.dgate.data != nullptr) {
+      check_raster(kTileOp, "dgate", extras.dgate, c);
+      VQAD_LAUNCH_CHECK(extras.out_c != nullptr, kTileOp, detail::shape_str(c), "expected out_c with dgate, found null");
+    }
+  }
   const int cube_slots = c.tiling.blocks_per_cube * kBT;
   const size_t smem = POOL == Pool::kNone     ? 0
                       : POOL == Pool::kMean   ? static_cast<size_t>(cube_slots) * kD * 2
-                                              : static_cast<size_t>(cube_slots) * kD * 4;
+                                              : static_cast<size_t>(kD / (kD / 16)) * kD * 4;
   VQAD_LAUNCH_CHECK(smem <= 96 * 1024, kTileOp, detail::shape_str(c), "expected at most 96 KiB of shared memory, "
                     "found ", smem, " bytes for ", cube_slots, " slots per cube");
   if (smem > 48 * 1024)
-    VQAD_CUDA_CHECK(cudaFuncSetAttribute(tile_pool_kernel<POOL>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    VQAD_CUDA_CHECK(cudaFuncSetAttribute(tile_pool_kernel<POOL, STATS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(c.tiling.num_cubes), static_cast<unsigned>(c.heads),
                   static_cast<unsigned>(c.batch));
-  tile_pool_kernel<POOL><<<grid, kD, smem, stream>>>(
-      static_cast<const bf16*>(src.data), src.stride.b, src.stride.l, src.stride.h, static_cast<const bf16*>(mul.data),
-      mul.stride.b, mul.stride.l, mul.stride.h, static_cast<bf16*>(dst_tiled), c.tiling.slot_to_token,
-      c.tiling.cube_tokens, c.heads, c.tiling.padded_len, c.tiling.num_cubes, cube_slots, quantize, pool);
+  TileArgs t{};
+  t.src = static_cast<const bf16*>(src.data);
+  t.sb = src.stride.b, t.sl = src.stride.l, t.sh = src.stride.h;
+  t.mul = static_cast<const bf16*>(mul.data);
+  t.mb = mul.stride.b, t.ml = mul.stride.l, t.mh = mul.stride.h;
+  t.dst = static_cast<bf16*>(dst_tiled);
+  t.slot_to_token = c.tiling.slot_to_token;
+  t.cube_tokens = c.tiling.cube_tokens;
+  t.H = c.heads, t.P = c.tiling.padded_len, t.nc = c.tiling.num_cubes, t.cube_slots = cube_slots;
+  t.quantize = quantize;
+  t.pool = pool;
+  t.o_hp = static_cast<const bf16*>(extras.o_hp);
+  t.m = extras.m, t.l = extras.l;
+  t.stats = static_cast<float4*>(extras.stats);
+  t.out_c = extras.out_c;
+  t.dgate = static_cast<bf16*>(extras.dgate.data);
+  t.gb = extras.dgate.stride.b, t.gl = extras.dgate.stride.l, t.gh = extras.dgate.stride.h;
+  tile_pool_kernel<POOL, STATS><<<grid, kD, smem, stream>>>(t);
   VQAD_CUDA_CHECK_LAUNCH("vsa tile_pool_kernel");
 }
 }  // namespace
@@ -681,7 +996,8 @@ void launch_tile(const VsaConfig& c, BlhdIn src, void* dst_tiled, bool quantize,
 
 size_t vsa_forward_workspace_bytes(const VsaConfig& c) {
   const Sizes s = sizes_of(c);
-  return align256(s.tiled_bf16) + align256(s.square * 4) + align256(fine_forward_scratch_bytes(c));
+  // the fine output of the quantized-P path; without P quantization it is o_fine_hp itself
+  return (c.quantize && c.quant_p ? align256(s.tiled_bf16) : 0) + align256(fine_forward_scratch_bytes(c));
 }
 
 void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t stream) {
@@ -699,34 +1015,26 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
                     " bytes, found address ", a.workspace);
   const Sizes s = sizes_of(c);
   uint8_t* cur = static_cast<uint8_t*>(a.workspace);
-  void* o_fine = carve<uint8_t>(cur, s.tiled_bf16);
-  float* scores = carve<float>(cur, s.square * 4);
+  void* o_fine = c.quantize && c.quant_p ? carve<uint8_t>(cur, s.tiled_bf16) : a.o_fine_hp;
   void* fine_scratch = carve<uint8_t>(cur, fine_forward_scratch_bytes(c));
   const int H = c.heads, nc = c.tiling.num_cubes;
   const int cube_slots = c.tiling.blocks_per_cube * kBT;
-  const dim3 cube_grid(static_cast<unsigned>(nc), static_cast<unsigned>(H), static_cast<unsigned>(c.batch));
 
   // 1. tiling (+ fake quant of the fine-stage operands) and, in the same pass, the cube
   // means of the unquantized inputs (the coarse stage's)
   launch_tile_pool<Pool::kMean>(c, a.q, BlhdIn{}, a.tiled_q, c.quantize, a.q_c, stream);
   launch_tile_pool<Pool::kMean>(c, a.k, BlhdIn{}, a.tiled_k, c.quantize, a.k_c, stream);
   launch_tile_pool<Pool::kMean>(c, a.v, BlhdIn{}, a.tiled_v, c.quantize && c.quant_v, a.v_c, stream);
-  // 2. coarse stage
+  // 2. coarse stage and 3. selection, one kernel
   const dim3 row_grid(static_cast<unsigned>((nc + kCoarseRows - 1) / kCoarseRows), static_cast<unsigned>(H),
                       static_cast<unsigned>(c.batch));
-  coarse_scores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, 0, stream>>>(a.q_c, a.k_c, scores, a.probs, H, nc,
-                                                                              resolved_scale(c));
-  VQAD_CUDA_CHECK_LAUNCH("vsa coarse_scores_kernel");
-  coarse_out_kernel<<<cube_grid, kD, 0, stream>>>(a.probs, a.v_c, a.out_c, H, nc);
-  VQAD_CUDA_CHECK_LAUNCH("vsa coarse_out_kernel");
-  // 3. selection
   {
-    const size_t smem = static_cast<size_t>(nc) * 12;
-    VQAD_LAUNCH_CHECK(smem <= 48 * 1024, kForwardOp, detail::shape_str(c), "selection: expected at most 48 KiB of "
-                      "shared memory, found ", smem, " bytes for ", nc, " cubes");
-    select_kernel<<<cube_grid, 256, smem, stream>>>(scores, a.probs, a.sel_index, a.sel_count, H, nc, c.topk,
-                                                    c.top_p_mode && c.top_p < 1.0f, c.top_p);
-    VQAD_CUDA_CHECK_LAUNCH("vsa select_kernel");
+    const size_t smem = coarse_smem_bytes(kCoarseRows, nc);
+    allow_smem(coarse_forward_kernel<kCoarseRows>, smem, kForwardOp, "coarse stage", c);
+    coarse_forward_kernel<kCoarseRows><<<row_grid, kCoarseThreads, smem, stream>>>(
+        a.q_c, a.k_c, a.v_c, a.probs, a.out_c, a.sel_index, a.sel_count, H, nc, resolved_scale(c), c.topk,
+        c.top_p_mode && c.top_p < 1.0f, c.top_p);
+    VQAD_CUDA_CHECK_LAUNCH("vsa coarse_forward_kernel");
   }
   // 4. fine stage (o_fine: quantized-P path; o_fine_hp saved)
   launch_fine_forward(c, a.tiled_q, a.tiled_k, a.tiled_v, a.sel_index, a.sel_count, o_fine, a.o_fine_hp, a.m, a.l,
@@ -740,11 +1048,17 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   VQAD_CUDA_CHECK_LAUNCH("vsa combine_kernel");
 }
 
+// Fine dQ, dK, dV in tiled form (the C64 kernels' outputs, untiled afterwards); the C128
+// backward writes the raster outputs itself.
+bool tiled_fine_grads(const VsaConfig& c) {
+  return vsa_fine_forward_kernel(c.tiling.blocks_per_cube) != VsaFineForward::kWgmmaPairs;
+}
+
 size_t vsa_backward_workspace_bytes(const VsaConfig& c) {
   const Sizes s = sizes_of(c);
-  return 4 * align256(s.tiled_bf16) + align256(s.tiled_rows * 16) + align256(s.square) + align256(s.square * 4) +
-         align256(static_cast<size_t>(s.bh) * s.nc * 4) + 4 * align256(s.coarse) + align256(s.square * 4) +
-         align256(detail::fine_backward_scratch_bytes(c));
+  return (tiled_fine_grads(c) ? 4 : 1) * align256(s.tiled_bf16) + align256(s.tiled_rows * 16) + align256(s.square) +
+         align256(s.square * 4) + align256(static_cast<size_t>(s.bh) * s.nc * 4) + 4 * align256(s.coarse) +
+         align256(s.square * 4) + align256(detail::fine_backward_scratch_bytes(c));
 }
 
 void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t stream) {
@@ -762,11 +1076,12 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
                     detail::shape_str(c), "expected a 256-byte aligned workspace of ",
                     vsa_backward_workspace_bytes(c), " bytes, found address ", a.workspace);
   const Sizes s = sizes_of(c);
+  const bool tiled_grads = tiled_fine_grads(c);
   uint8_t* cur = static_cast<uint8_t*>(a.workspace);
   void* d_o_t = carve<uint8_t>(cur, s.tiled_bf16);
-  void* dq_f = carve<uint8_t>(cur, s.tiled_bf16);
-  void* dk_f = carve<uint8_t>(cur, s.tiled_bf16);
-  void* dv_f = carve<uint8_t>(cur, s.tiled_bf16);
+  void* dq_f = tiled_grads ? carve<uint8_t>(cur, s.tiled_bf16) : nullptr;
+  void* dk_f = tiled_grads ? carve<uint8_t>(cur, s.tiled_bf16) : nullptr;
+  void* dv_f = tiled_grads ? carve<uint8_t>(cur, s.tiled_bf16) : nullptr;
   void* stats = carve<uint8_t>(cur, s.tiled_rows * 16);
   uint8_t* mask = carve<uint8_t>(cur, s.square);
   int32_t* inv_index = carve<int32_t>(cur, s.square * 4);
@@ -779,20 +1094,47 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
   void* fine_scratch = carve<uint8_t>(cur, detail::fine_backward_scratch_bytes(c));
   const int H = c.heads, nc = c.tiling.num_cubes;
   const int cube_slots = c.tiling.blocks_per_cube * kBT;
-  const dim3 cube_grid(static_cast<unsigned>(nc), static_cast<unsigned>(H), static_cast<unsigned>(c.batch));
 
-  // Fine stage: dO tiled, row statistics, the inverse lists, dQ over the lists and dK / dV
-  // over the inverse lists (C128: one wgmma launch; C64: the mma.sync kernels).
-  const bool wgmma_bwd = vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs;
-  // dO tiled; with a gate, d out_c (the pool of dO * gate) in the same pass.
+  // dO tiled and, in the same pass, the row statistics, dgate and, with a gate, d out_c
+  // (the pool of dO * gate).
   const bool has_gate = a.gate.data != nullptr;
+  DoPassExtras extras;
+  extras.o_hp = a.o_fine_hp;
+  extras.m = a.m;
+  extras.l = a.l;
+  extras.stats = stats;
+  extras.out_c = a.out_c;
+  extras.dgate = a.dgate;
   if (has_gate) {
-    launch_tile_pool<Pool::kMulSum>(c, a.d_o, a.gate, d_o_t, false, d_outc, stream);
+    launch_tile_pool<Pool::kMulSum, true>(c, a.d_o, a.gate, d_o_t, false, d_outc, stream, extras);
   } else {
-    launch_tile(c, a.d_o, d_o_t, false, stream);
+    launch_tile_pool<Pool::kNone, true>(c, a.d_o, BlhdIn{}, d_o_t, false, nullptr, stream, extras);
   }
-  detail::launch_fine_stats(c, d_o_t, a.o_fine_hp, a.m, a.l, stats, stream);
-  if (!wgmma_bwd) {
+
+  // Coarse stage (only with a gate: a zero gate gives out_c no gradient): the cube-mean
+  // gradients, which the fine stage's output step adds.
+  if (has_gate) {
+    const dim3 row_grid(static_cast<unsigned>((nc + kCoarseRows - 1) / kCoarseRows), static_cast<unsigned>(H),
+                        static_cast<unsigned>(c.batch));
+    const size_t smem = (static_cast<size_t>(2 * kDotStageFloats) + static_cast<size_t>(2 * kCoarseRows) * nc) *
+                        sizeof(float);
+    allow_smem(coarse_dscores_kernel<kCoarseRows>, smem, kBackwardOp, "coarse gradients", c);
+    coarse_dscores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, smem, stream>>>(d_outc, a.v_c, a.probs, dscores, H,
+                                                                                   nc, resolved_scale(c));
+    VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dscores_kernel");
+    const size_t vec_smem = dqkv_smem_bytes(nc);
+    allow_smem(coarse_dqkv_kernel, vec_smem, kBackwardOp, "coarse gradients", c);
+    const dim3 dqkv_grid(static_cast<unsigned>((nc + kDqkvCubes - 1) / kDqkvCubes), static_cast<unsigned>(H),
+                         static_cast<unsigned>(c.batch));
+    coarse_dqkv_kernel<<<dqkv_grid, kDqkvThreads, vec_smem, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc,
+                                                                      c.tiling.cube_tokens, dq_c, dk_c, dv_c, H, nc);
+    VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dqkv_kernel");
+  }
+
+  // Fine stage: dQ over the lists and dK / dV over the inverse lists (C128: one wgmma
+  // launch that also adds the coarse terms and writes raster rows; C64: the mma.sync
+  // kernels, then the untiling).
+  if (tiled_grads) {
     detail::launch_fine_dq(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, a.sel_index, a.sel_count, dq_f,
                            stream);
   }
@@ -806,28 +1148,18 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
     inverse_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(mask, inv_index, inv_count, rows, nc);
     VQAD_CUDA_CHECK_LAUNCH("vsa inverse_kernel");
   }
-  if (wgmma_bwd) {
+  if (!tiled_grads) {
+    detail::FineBwdRaster out;
+    out.dq = a.dq;
+    out.dk = a.dk;
+    out.dv = a.dv;
+    if (has_gate) out.dq_c = dq_c, out.dk_c = dk_c, out.dv_c = dv_c;
     detail::launch_fine_bwd_wgmma(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, a.sel_index, a.sel_count,
-                                  inv_index, inv_count, dq_f, dk_f, dv_f, fine_scratch, stream);
-  } else {
-    detail::launch_fine_dkdv(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, inv_index, inv_count, dk_f, dv_f,
-                             stream);
+                                  inv_index, inv_count, out, fine_scratch, stream);
+    return;
   }
-
-  // Coarse stage (only with a gate: a zero gate gives out_c no gradient); d out_c above.
-  if (has_gate) {
-    const dim3 row_grid(static_cast<unsigned>((nc + kCoarseRows - 1) / kCoarseRows), static_cast<unsigned>(H),
-                        static_cast<unsigned>(c.batch));
-    coarse_dscores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, 0, stream>>>(d_outc, a.v_c, a.probs, dscores, H,
-                                                                                nc, resolved_scale(c));
-    VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dscores_kernel");
-    const size_t vec_smem = static_cast<size_t>(nc) * 3 * sizeof(float);
-    VQAD_LAUNCH_CHECK(vec_smem <= 48 * 1024, kBackwardOp, detail::shape_str(c), "coarse gradients: expected at most "
-                      "48 KiB of shared memory, found ", vec_smem, " bytes for ", nc, " cubes");
-    coarse_dqkv_kernel<<<cube_grid, kD, vec_smem, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc,
-                                                            c.tiling.cube_tokens, dq_c, dk_c, dv_c, H, nc);
-    VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dqkv_kernel");
-  }
+  detail::launch_fine_dkdv(c, a.tiled_q, a.tiled_k, a.tiled_v, d_o_t, stats, inv_index, inv_count, dk_f, dv_f,
+                           stream);
 
   UntileArgs u{};
   u.dq_f = static_cast<const bf16*>(dq_f);
@@ -836,17 +1168,12 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
   u.dq_c = has_gate ? dq_c : nullptr;
   u.dk_c = has_gate ? dk_c : nullptr;
   u.dv_c = has_gate ? dv_c : nullptr;
-  u.d_o = static_cast<const bf16*>(a.d_o.data);
-  u.db_ = a.d_o.stride.b, u.dl_ = a.d_o.stride.l, u.dh_ = a.d_o.stride.h;
-  u.out_c = a.out_c;
   u.dq = static_cast<bf16*>(a.dq.data);
   u.dk = static_cast<bf16*>(a.dk.data);
   u.dv = static_cast<bf16*>(a.dv.data);
-  u.dgate = static_cast<bf16*>(a.dgate.data);
   u.qb_ = a.dq.stride.b, u.ql_ = a.dq.stride.l, u.qh_ = a.dq.stride.h;
   u.kb_ = a.dk.stride.b, u.kl_ = a.dk.stride.l, u.kh_ = a.dk.stride.h;
   u.vb_ = a.dv.stride.b, u.vl_ = a.dv.stride.l, u.vh_ = a.dv.stride.h;
-  u.gb_ = a.dgate.stride.b, u.gl_ = a.dgate.stride.l, u.gh_ = a.dgate.stride.h;
   u.token_to_slot = c.tiling.token_to_slot;
   u.L = c.tiling.len;
   u.H = H;

@@ -165,6 +165,16 @@ struct VisitLists {
   // tiling, so also the query blocks' (a warpgroup of only padding rows idles).
   const int32_t* key_rows;
   int kv_tiles, q_tiles;
+  // Optional scatter of the results (the VSA pipeline's untiling; null: dQ, dK, dV go to
+  // their rows of p.dq / p.dk / p.dv): row r of (b, h) goes to row row_to_token[r] of
+  // p.dq / p.dk / p.dv (-1: not written), and when coarse_* is set, row
+  // (b * H + h) * coarse_groups + r / coarse_group_rows of it (fp32 [.., D]) is added to
+  // the BF16-rounded result before the final rounding: bf16(bf16(x) + coarse).
+  const int32_t* row_to_token;
+  const float* coarse_dq;
+  const float* coarse_dk;
+  const float* coarse_dv;
+  int coarse_group_rows, coarse_groups;
 };
 void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, AttnQatBwdPMode mode,
                                 const DeviceInfo& dev, cudaStream_t stream);

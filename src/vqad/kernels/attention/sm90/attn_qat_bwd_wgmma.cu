@@ -25,7 +25,10 @@
 // N-major); one launch (fused_visit_kernel), dK/dV CTAs first. Their streamed operands
 // come by TMA into mbarrier stages that the later warpgroup refills, so the two
 // warpgroups never wait for each other (VisitStages; 17% faster than cp.async with a CTA
-// barrier per step at the Wan grid, docs/performance.md).
+// barrier per step at the Wan grid, docs/performance.md). With VisitLists::row_to_token the
+// epilogues scatter the rows to their raster positions and add a per-tile coarse row (the
+// VSA untiling); the rows and the coarse rows come by cp.async with the prologue's loads,
+// so the epilogue reads only shared memory.
 //
 // Head dim D = 128 or 64 for the dense kernels (template parameter), 128 for the visit
 // lists. Shared tiles hold rows of D bf16 as 64-column halves ([half][row][64]),
@@ -210,15 +213,41 @@ struct VisitDkdvSmem {
   static constexpr int kSt = kQ + kStages * 2 * kTileQ;  // [kStages][64] float4
   static constexpr int kScale = kSt + kStages * kQueryTile * 16;
   static constexpr int kBar = kScale + static_cast<int>(kScaleTableBytes);
-  static constexpr int kBytes = kBar + 16 * kStages;
+  // the scattered epilogue's rows: [kKeysPerCta] raster rows, then the dK and dV coarse rows
+  static constexpr int kEpi = kBar + 16 * kStages;
+  static constexpr int kBytes = kEpi + kKeysPerCta * 4 + 2 * kVisitD * 4;
 };
 struct VisitDqSmem {
   static constexpr int kTileQ = kQueriesPerCta * kVisitD * 2, kTileK = kDqKeyTile * kVisitD * 2;
   static constexpr int kQ = 0, kdO = kTileQ;
   static constexpr int kK = 2 * kTileQ;  // stage s: K at kK + s * 2 * kTileK, V after it
   static constexpr int kBar = kK + kStages * 2 * kTileK;
-  static constexpr int kBytes = kBar + 16 * kStages;
+  static constexpr int kEpi = kBar + 16 * kStages;  // [kQueriesPerCta] raster rows, the dQ coarse row
+  static constexpr int kBytes = kEpi + kQueriesPerCta * 4 + kVisitD * 4;
 };
+static_assert(VisitDkdvSmem::kEpi % 16 == 0 && VisitDqSmem::kEpi % 16 == 0, "16-byte cp.async rows");
+static_assert(kKeysPerCta == kQueriesPerCta, "a visit CTA's rows are one coarse group (VisitLists::coarse_group_rows)");
+// The scattered epilogue's rows (VisitLists::row_to_token) and the coarse rows of the CTA's
+// tile (coarse0, coarse1; null: none) by cp.async into the body's kEpi area, in the body's
+// prologue group: 16-byte chunks, threads 0 .. 31 the raster rows, then 32 per coarse row.
+__device__ __forceinline__ void load_scatter_rows(const KernelParams& p, const VisitLists* vl, int b, int h, int tile,
+                                                  int rows, const float* coarse0, const float* coarse1,
+                                                  uint8_t* epi, int tid) {
+  if (vl->row_to_token == nullptr) return;
+  constexpr int kRowChunks = kKeysPerCta / 4, kCoarseChunks = kVisitD / 4;
+  const int row0 = tile * kKeysPerCta;
+  if (tid < kRowChunks) {
+    const bool ok = row0 + tid * 4 < rows;
+    cp_async16(epi + tid * 16, vl->row_to_token + (ok ? row0 + tid * 4 : 0), ok);
+  } else if (tid < kRowChunks + 2 * kCoarseChunks) {
+    const int k = (tid - kRowChunks) / kCoarseChunks, c = (tid - kRowChunks) % kCoarseChunks;
+    const float* src = k == 0 ? coarse0 : coarse1;
+    if (src != nullptr) {
+      const int64_t group = (static_cast<int64_t>(b) * p.H + h) * vl->coarse_groups + tile;
+      cp_async16(epi + kKeysPerCta * 4 + (k * kCoarseChunks + c) * 16, src + group * kVisitD + c * 4, true);
+    }
+  }
+}
 constexpr size_t kVisitSmem = 1024 + (VisitDkdvSmem::kBytes > VisitDqSmem::kBytes ? VisitDkdvSmem::kBytes
                                                                                      : VisitDqSmem::kBytes);
 
@@ -247,6 +276,36 @@ __device__ __forceinline__ void store_dkdv(const KernelParams& p, int b, int h, 
           pack_bf16(dk[n][2] * p.scale, dk[n][3] * p.scale);
       *reinterpret_cast<uint32_t*>(dv_base + static_cast<int64_t>(key_row0 + 8) * p.dv.sl + col) =
           pack_bf16(dv[n][2], dv[n][3]);
+    }
+  }
+}
+
+// The visit kernels' scattered epilogue (VisitLists::row_to_token): a lane's rows r0
+// (when ok0) and r0 + 8 (when ok1) of acc * mul, two channels per 8-column group, to
+// their raster rows of o (s_rows: the raster rows of the CTA's tile, r0 - tile_row0
+// indexed), plus the tile's coarse row s_coarse when set (see VisitLists).
+__device__ __forceinline__ void store_rows_scattered(const OutTensor& o, const int32_t* s_rows,
+                                                     const float* s_coarse, int b, int h, int r_local, bool ok0,
+                                                     bool ok1, const float (&acc)[kVisitD / 8][4], float mul,
+                                                     int t4) {
+  const int tok0 = ok0 ? s_rows[r_local] : -1;
+  const int tok1 = ok1 ? s_rows[r_local + 8] : -1;
+  bf16* base = o.p + b * o.sb + h * o.sh;
+  auto bf16r = [](float x) { return __bfloat162float(__float2bfloat16_rn(x)); };
+#pragma unroll
+  for (int n = 0; n < kVisitD / 8; ++n) {
+    const int col = n * 8 + 2 * t4;
+    float2 cc = make_float2(0.0f, 0.0f);
+    if (s_coarse != nullptr) cc = *reinterpret_cast<const float2*>(s_coarse + col);
+    if (tok0 >= 0) {
+      float x = acc[n][0] * mul, y = acc[n][1] * mul;
+      if (s_coarse != nullptr) x = __fadd_rn(bf16r(x), cc.x), y = __fadd_rn(bf16r(y), cc.y);
+      *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(tok0) * o.sl + col) = pack_bf16(x, y);
+    }
+    if (tok1 >= 0) {
+      float x = acc[n][2] * mul, y = acc[n][3] * mul;
+      if (s_coarse != nullptr) x = __fadd_rn(bf16r(x), cc.x), y = __fadd_rn(bf16r(y), cc.y);
+      *reinterpret_cast<uint32_t*>(base + static_cast<int64_t>(tok1) * o.sl + col) = pack_bf16(x, y);
     }
   }
 }
@@ -495,6 +554,7 @@ __device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUt
   }
   load_tile_sw128<kKeysPerCta, kThreads, kD>(sK, p.k, b, h, kv0, p.Lkv, tid);
   load_tile_sw128<kKeysPerCta, kThreads, kD>(sV, p.v, b, h, kv0, p.Lkv, tid);
+  load_scatter_rows(p, vl, b, h, kv_block, p.Lkv, vl->coarse_dk, vl->coarse_dv, smem + L::kEpi, tid);
   cp_async_commit();
   if (tid < 128) {
     const float S = e4m3_value(static_cast<uint8_t>(tid));
@@ -566,7 +626,17 @@ __device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUt
     stages.release(st, i, steps, leader, issue);
   }
 
-  store_dkdv<kD>(p, b, h, dk, dv, key_row0, key_ok0, key_ok1, t4);
+  if (vl->row_to_token != nullptr) {
+    const int32_t* s_rows = reinterpret_cast<const int32_t*>(smem + L::kEpi);
+    const float* s_coarse = reinterpret_cast<const float*>(smem + L::kEpi + kKeysPerCta * 4);
+    const bool coarse = vl->coarse_dk != nullptr;
+    store_rows_scattered(p.dk, s_rows, coarse ? s_coarse : nullptr, b, h, key_row0 - kv0, key_ok0, key_ok1, dk,
+                         p.scale, t4);
+    store_rows_scattered(p.dv, s_rows, coarse ? s_coarse + kD : nullptr, b, h, key_row0 - kv0, key_ok0, key_ok1, dv,
+                         1.0f, t4);
+  } else {
+    store_dkdv<kD>(p, b, h, dk, dv, key_row0, key_ok0, key_ok1, t4);
+  }
 }
 
 // dQ of query tile q_block over the visit list of vl (the recompute form), per tile of
@@ -616,6 +686,7 @@ __device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUten
   }
   load_tile_sw128<kQueriesPerCta, kThreads, kD>(sQ, p.q, b, h, q0, p.Lq, tid);
   load_tile_sw128<kQueriesPerCta, kThreads, kD>(sdO, p.dout, b, h, q0, p.Lq, tid);
+  load_scatter_rows(p, vl, b, h, q_block, p.Lq, vl->coarse_dq, nullptr, smem + L::kEpi, tid);
   cp_async_commit();
 
   const int row0 = q0 + wg * 64 + wq * 16 + g;  // this lane's queries: row0, row0 + 8
@@ -694,6 +765,13 @@ __device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUten
     stages.release(st, kb, steps, leader, issue);
   }
 
+  if (vl->row_to_token != nullptr) {
+    const int32_t* s_rows = reinterpret_cast<const int32_t*>(smem + L::kEpi);
+    const float* s_coarse = reinterpret_cast<const float*>(smem + L::kEpi + kQueriesPerCta * 4);
+    store_rows_scattered(p.dq, s_rows, vl->coarse_dq != nullptr ? s_coarse : nullptr, b, h, row0 - q0, row0 < p.Lq,
+                         row0 + 8 < p.Lq, dq, p.scale, t4);
+    return;
+  }
   bf16* dq_base = p.dq.p + b * p.dq.sb + h * p.dq.sh;
 #pragma unroll
   for (int n = 0; n < 16; ++n) {
@@ -913,6 +991,12 @@ void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, At
                     kVisitOp, shape(), "expected all lists and ", kv_tiles, " key tiles, ", q_tiles,
                     " query tiles, found ", vl.kv_tiles, " key tiles, ", vl.q_tiles,
                     " query tiles (a null list or a stride < 1 is also refused)");
+  const bool coarse = vl.coarse_dq || vl.coarse_dk || vl.coarse_dv;
+  VQAD_LAUNCH_CHECK(!coarse || (vl.row_to_token && vl.coarse_dq && vl.coarse_dk && vl.coarse_dv &&
+                                vl.coarse_group_rows == kKeysPerCta && vl.coarse_groups == kv_tiles),
+                    kVisitOp, shape(), "coarse terms: expected the row scatter, all three coarse tensors and a group "
+                    "per key tile (", kKeysPerCta, " rows x ", kv_tiles, "), found groups of ", vl.coarse_group_rows, " rows x ", vl.coarse_groups,
+                    (vl.row_to_token ? "" : " without a scatter"));
   const int64_t ctas = static_cast<int64_t>(kp.B) * kp.H * (kv_tiles + q_tiles);
   VQAD_LAUNCH_CHECK(ctas <= 0x7fffffff, kVisitOp, shape(), "expected at most 2^31 - 1 CTAs, found ", ctas);
   VQAD_LAUNCH_CHECK(kp.D == kVisitD, kVisitOp, shape(), "expected head dim ", kVisitD, ", found ", kp.D);
