@@ -489,6 +489,15 @@ TEST(VsaCuda, Bf16C128ManyCubesOneFrame) {
   run_case(c);
 }
 
+TEST(VsaCuda, Bf16C128ThousandCubesOneFrame) {
+  // 1 x 25 x 40 = 1000 cubes (a 121-frame 720p Wan latent has 960): the coarse kernels'
+  // shared memory must not grow past what a block may have with the cube count.
+  Case c{"bf16-c128-1000-cubes", 1, 1, 1, 100, 320, vr::kCubeC128, 0.97};
+  c.quantize = false;
+  c.seed = 12;
+  run_case(c);
+}
+
 // The C128 fine forward (the attention visit-list wgmma kernel, tile_blocks 2) on
 // hand-made lists against vsa_ref::fine_forward at tile_blocks 2: lists of one
 // one-block cube (a single tile, second half empty), odd visit counts, one-block cubes

@@ -672,27 +672,28 @@ __global__ void __launch_bounds__(kCoarseThreads, 3) coarse_dscores_kernel(const
 // dv_c[c] = sum_i probs[i][c] d_outc[i] / n_c (fp32 FMA chains over j in order; the
 // backward is compared with the reference by tolerance, only the forward bit for bit).
 // Thread = (channel pair, cube group): 2 channels x kDqkvGroupCubes cubes x 3 gradients
-// of chains, so that every shared-memory read feeds several FMAs. The block stages rows c
-// of ds and columns c of ds and probs once ([3][nc][kDqkvCubes], the cubes innermost: a
-// group's factors are float4 broadcasts), and the rows of k_c, q_c and d_outc kDqkvChunk
-// at a time by cp.async into two buffers (the next chunk loads while this one is used).
+// of chains, so that every shared-memory read feeds several FMAs. Per chunk of
+// kDqkvChunk rows j, two buffers each: the rows of k_c, q_c and d_outc by cp.async, and
+// the factors ds[c][j], ds[j][c], probs[j][c] of the block's cubes ([3][kDqkvChunk]
+// [kDqkvCubes], the cubes innermost: a group's factors are float4 broadcasts) through
+// registers, loaded one chunk ahead. The shared memory does not depend on nc.
 constexpr int kDqkvCubes = 16, kDqkvGroupCubes = 4, kDqkvThreads = (kD / 2) * (kDqkvCubes / kDqkvGroupCubes);
 constexpr int kDqkvChunk = 16;
-constexpr int kDqkvChunkFloats = 3 * kDqkvChunk * kD;  // one buffer: k_c, q_c, d_outc rows
+constexpr int kDqkvChunkFloats = 3 * kDqkvChunk * kD;  // one rows buffer: k_c, q_c, d_outc rows
 constexpr int kDqkvLoads = kDqkvChunkFloats / 4 / kDqkvThreads;
+constexpr int kDqkvFactorFloats = 3 * kDqkvChunk * kDqkvCubes;  // one factors buffer
 static_assert(kDqkvLoads * kDqkvThreads * 4 == kDqkvChunkFloats && (kD / 2) % 32 == 0 && kDqkvGroupCubes % 4 == 0,
               "coarse_dqkv_kernel: whole 16-byte pieces per thread, one cube group per warp");
-constexpr size_t dqkv_smem_bytes(int nc) {
-  return (static_cast<size_t>(3) * nc * kDqkvCubes + 2 * static_cast<size_t>(kDqkvChunkFloats)) * 4;
-}
+static_assert(kDqkvChunk * kDqkvCubes == kDqkvThreads, "coarse_dqkv_kernel: one factor of each kind per thread");
+constexpr size_t kDqkvSmemBytes = (2 * static_cast<size_t>(kDqkvChunkFloats) + 2 * kDqkvFactorFloats) * 4;
 __global__ void __launch_bounds__(kDqkvThreads) coarse_dqkv_kernel(const float* dscores, const float* probs,
                                                                    const float* q_c, const float* k_c,
                                                                    const float* d_outc, const int32_t* cube_tokens,
                                                                    float* dq_c, float* dk_c, float* dv_c, int H,
                                                                    int nc) {
   extern __shared__ float4 s_dyn4[];
-  float* s_vec = reinterpret_cast<float*>(s_dyn4);  // [3][nc][kDqkvCubes]
-  float* s_rows = s_vec + 3 * nc * kDqkvCubes;      // [2][3][kDqkvChunk][kD]: k_c, q_c, d_outc
+  float* s_rows = reinterpret_cast<float*>(s_dyn4);      // [2][3][kDqkvChunk][kD]: k_c, q_c, d_outc
+  float* s_fac = s_rows + 2 * kDqkvChunkFloats;          // [2][3][kDqkvChunk][kDqkvCubes]
   const int c0 = blockIdx.x * kDqkvCubes, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int ncubes = min(kDqkvCubes, nc - c0);
   const int64_t bh = static_cast<int64_t>(b) * H + h;
@@ -701,7 +702,7 @@ __global__ void __launch_bounds__(kDqkvThreads) coarse_dqkv_kernel(const float* 
   const float* kb = k_c + bh * nc * kD;
   const float* qb = q_c + bh * nc * kD;
   const float* gb = d_outc + bh * nc * kD;
-  auto stage = [&](int buf, int j0) {
+  auto stage_rows = [&](int buf, int j0) {
     const int n4 = min(kDqkvChunk, nc - j0) * (kD / 4);
 #pragma unroll
     for (int i = 0; i < kDqkvLoads; ++i) {
@@ -712,21 +713,29 @@ __global__ void __launch_bounds__(kDqkvThreads) coarse_dqkv_kernel(const float* 
     }
     cp_async_commit();
   };
-  stage(0, 0);  // in flight while the factors are staged
-  // rows c of ds: consecutive threads read consecutive j
-#pragma unroll 8
-  for (int e = tid; e < kDqkvCubes * nc; e += kDqkvThreads) {
-    const int u = e / nc, j = e % nc;
-    s_vec[j * kDqkvCubes + u] = u < ncubes ? __ldg(ds + static_cast<int64_t>(c0 + u) * nc + j) : 0.0f;
-  }
-  // columns c of ds and probs: consecutive threads read consecutive cubes of one row j
-#pragma unroll 8
-  for (int e = tid; e < nc * kDqkvCubes; e += kDqkvThreads) {
-    const int j = e / kDqkvCubes, u = e % kDqkvCubes;
-    const bool ok = u < ncubes;
-    s_vec[(nc + j) * kDqkvCubes + u] = ok ? __ldg(ds + static_cast<int64_t>(j) * nc + c0 + u) : 0.0f;
-    s_vec[(2 * nc + j) * kDqkvCubes + u] = ok ? __ldg(pr + static_cast<int64_t>(j) * nc + c0 + u) : 0.0f;
-  }
+  // This thread's factors of chunk j0 (zero past nc and past the block's cubes): ds[c][j]
+  // with consecutive threads on consecutive j, ds[j][c] and probs[j][c] on consecutive c.
+  float f_row = 0.0f, f_col = 0.0f, f_prob = 0.0f;
+  auto load_factors = [&](int j0) {
+    {
+      const int u = tid / kDqkvChunk, jj = tid % kDqkvChunk;
+      f_row = u < ncubes && j0 + jj < nc ? __ldg(ds + static_cast<int64_t>(c0 + u) * nc + j0 + jj) : 0.0f;
+    }
+    const int jj = tid / kDqkvCubes, u = tid % kDqkvCubes;
+    const bool ok = u < ncubes && j0 + jj < nc;
+    f_col = ok ? __ldg(ds + static_cast<int64_t>(j0 + jj) * nc + c0 + u) : 0.0f;
+    f_prob = ok ? __ldg(pr + static_cast<int64_t>(j0 + jj) * nc + c0 + u) : 0.0f;
+  };
+  auto store_factors = [&](int buf) {
+    float* f = s_fac + buf * kDqkvFactorFloats;
+    f[(tid % kDqkvChunk) * kDqkvCubes + tid / kDqkvChunk] = f_row;
+    f[kDqkvChunk * kDqkvCubes + tid] = f_col;
+    f[2 * kDqkvChunk * kDqkvCubes + tid] = f_prob;
+  };
+  stage_rows(0, 0);
+  load_factors(0);
+  store_factors(0);
+  if (kDqkvChunk < nc) load_factors(kDqkvChunk);
   const int d = 2 * (tid % (kD / 2)), grp = tid / (kD / 2);  // channels d, d + 1; cubes grp * kDqkvGroupCubes ..
   float aq[kDqkvGroupCubes][2], ak[kDqkvGroupCubes][2], av[kDqkvGroupCubes][2];
 #pragma unroll
@@ -735,21 +744,27 @@ __global__ void __launch_bounds__(kDqkvThreads) coarse_dqkv_kernel(const float* 
     for (int x = 0; x < 2; ++x) aq[u][x] = ak[u][x] = av[u][x] = 0.0f;
   for (int step = 0, j0 = 0; j0 < nc; ++step, j0 += kDqkvChunk) {
     const int n = min(kDqkvChunk, nc - j0);
-    // this chunk's rows (and, first step, s_vec) are in
-    cp_async_pipeline_step(j0 + kDqkvChunk < nc, [&] { stage((step + 1) & 1, j0 + kDqkvChunk); });
+    // this chunk's rows and factors are in (the factors were stored before the last
+    // barrier); the next chunk's rows are loading
+    cp_async_pipeline_step(j0 + kDqkvChunk < nc, [&] { stage_rows((step + 1) & 1, j0 + kDqkvChunk); });
+    if (j0 + kDqkvChunk < nc) {
+      // buffer (step + 1) & 1 was last read in step - 1, before its closing barrier
+      store_factors((step + 1) & 1);
+      if (j0 + 2 * kDqkvChunk < nc) load_factors(j0 + 2 * kDqkvChunk);
+    }
     const float* rows = s_rows + (step & 1) * kDqkvChunkFloats;
+    const float* fac = s_fac + (step & 1) * kDqkvFactorFloats;
 #pragma unroll 2
     for (int jj = 0; jj < n; ++jj) {
-      const int j = j0 + jj;
       const float2 kx = *reinterpret_cast<const float2*>(rows + jj * kD + d);
       const float2 qx = *reinterpret_cast<const float2*>(rows + (kDqkvChunk + jj) * kD + d);
       const float2 gx = *reinterpret_cast<const float2*>(rows + (2 * kDqkvChunk + jj) * kD + d);
 #pragma unroll
       for (int q4 = 0; q4 < kDqkvGroupCubes / 4; ++q4) {
-        const int off = grp * kDqkvGroupCubes + q4 * 4;
-        const float4 fq = *reinterpret_cast<const float4*>(s_vec + j * kDqkvCubes + off);
-        const float4 fk = *reinterpret_cast<const float4*>(s_vec + (nc + j) * kDqkvCubes + off);
-        const float4 fv = *reinterpret_cast<const float4*>(s_vec + (2 * nc + j) * kDqkvCubes + off);
+        const int off = jj * kDqkvCubes + grp * kDqkvGroupCubes + q4 * 4;
+        const float4 fq = *reinterpret_cast<const float4*>(fac + off);
+        const float4 fk = *reinterpret_cast<const float4*>(fac + kDqkvChunk * kDqkvCubes + off);
+        const float4 fv = *reinterpret_cast<const float4*>(fac + 2 * kDqkvChunk * kDqkvCubes + off);
         const float vq[4] = {fq.x, fq.y, fq.z, fq.w}, vk[4] = {fk.x, fk.y, fk.z, fk.w}, vv[4] = {fv.x, fv.y, fv.z, fv.w};
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -762,7 +777,7 @@ __global__ void __launch_bounds__(kDqkvThreads) coarse_dqkv_kernel(const float* 
         }
       }
     }
-    __syncthreads();  // buffer step & 1 is free for step + 2
+    __syncthreads();  // buffers step & 1 are free for step + 2
   }
 #pragma unroll
   for (int u = 0; u < kDqkvGroupCubes; ++u) {
@@ -1122,11 +1137,10 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
     coarse_dscores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, smem, stream>>>(d_outc, a.v_c, a.probs, dscores, H,
                                                                                    nc, resolved_scale(c));
     VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dscores_kernel");
-    const size_t vec_smem = dqkv_smem_bytes(nc);
-    allow_smem(coarse_dqkv_kernel, vec_smem, kBackwardOp, "coarse gradients", c);
+    allow_smem(coarse_dqkv_kernel, kDqkvSmemBytes, kBackwardOp, "coarse gradients", c);
     const dim3 dqkv_grid(static_cast<unsigned>((nc + kDqkvCubes - 1) / kDqkvCubes), static_cast<unsigned>(H),
                          static_cast<unsigned>(c.batch));
-    coarse_dqkv_kernel<<<dqkv_grid, kDqkvThreads, vec_smem, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc,
+    coarse_dqkv_kernel<<<dqkv_grid, kDqkvThreads, kDqkvSmemBytes, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc,
                                                                       c.tiling.cube_tokens, dq_c, dk_c, dv_c, H, nc);
     VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dqkv_kernel");
   }
