@@ -400,103 +400,53 @@ void run_case(const Case& cs) {
   EXPECT_EQ(g.sel.index, g2.sel.index) << "selection differs between two runs, " << ctx;
 }
 
-TEST(VsaCuda, QatC128RaggedBatchHeads) {
-  // t: 5 = 4 + 1, h: 6 = 4 + 2, w: 10 = 8 + 2 -> partial cubes in every direction,
-  // empty second physical blocks in the small border cubes.
-  run_case({"qat-c128-ragged", 2, 2, 5, 6, 10, vr::kCubeC128, 0.5});
+// The pipeline cases, each against the CPU reference (run_case); the test name is the
+// case's (TEST_P VsaCuda/Pipeline.Case/<name>).
+Case with(Case c, void (*edit)(Case&)) {
+  edit(c);
+  return c;
 }
+const Case kPipelineCases[] = {
+    // t: 5 = 4 + 1, h: 6 = 4 + 2, w: 10 = 8 + 2 -> partial cubes in every direction,
+    // empty second physical blocks in the small border cubes.
+    {"QatC128RaggedBatchHeads", 2, 2, 5, 6, 10, vr::kCubeC128, 0.5},
+    with({"QatC64RaggedTopPFastVideo", 1, 3, 6, 5, 7, vr::kCubeC64, 0.4},
+         [](Case& c) { c.selection = vr::Selection::kTopP, c.top_p = 0.5, c.bwd = aq::BwdMode::kFastVideo, c.seed = 2; }),
+    with({"Bf16C128FullCubesNoGate", 1, 2, 8, 8, 16, vr::kCubeC128, 0.75},
+         [](Case& c) { c.quantize = false, c.gate = false, c.seed = 3; }),
+    with({"Bf16C64RaggedGate", 2, 1, 5, 7, 9, vr::kCubeC64, 0.6}, [](Case& c) { c.quantize = false, c.seed = 4; }),
+    with({"QatC64NoQuantVNoGate", 1, 2, 4, 9, 9, vr::kCubeC64, 0.7},
+         [](Case& c) { c.quant_v = false, c.gate = false, c.seed = 5; }),
+    with({"QatC128NoQuantP", 1, 2, 4, 8, 12, vr::kCubeC128, 0.5}, [](Case& c) { c.quant_p = false, c.seed = 6; }),
+    // The Wan grid's border pattern (h 30 = 7 * 4 + 2, w 52 = 6 * 8 + 4) on fewer frames.
+    with({"QatC128WanLikeBorders", 1, 2, 4, 30, 52, vr::kCubeC128, 0.9}, [](Case& c) { c.seed = 7; }),
+    // Sparsity 0: every query cube visits all 12 cubes (24 blocks, 12 KV tiles of the
+    // wgmma forward), so the list prefetch runs over many tiles.
+    with({"QatC128DenseLists", 1, 1, 8, 8, 24, vr::kCubeC128, 0.0}, [](Case& c) { c.seed = 8; }),
+    // q = 0: all coarse scores are exactly 0, so top-k keeps the lowest cube indices.
+    with({"Bf16C128TiedScores", 1, 2, 5, 6, 10, vr::kCubeC128, 0.6},
+         [](Case& c) { c.quantize = false, c.zero_q = true, c.seed = 9; }),
+    // Uniform coarse probabilities: top-p keeps the first ceil(top_p * nc) cubes by index.
+    with({"QatC64TiedScoresTopP", 2, 1, 6, 5, 7, vr::kCubeC64, 0.3},
+         [](Case& c) { c.selection = vr::Selection::kTopP, c.top_p = 0.35, c.zero_q = true, c.seed = 10; }),
+    // 1 x 7 x 28 = 196 cubes of 32 tokens: the coarse kernels' dynamic shared memory is
+    // just under 48 KiB, their static memory takes the block past it (the launch must opt
+    // in); partial cubes in t.
+    with({"Bf16C128ManyCubesOneFrame", 1, 1, 1, 28, 224, vr::kCubeC128, 0.9},
+         [](Case& c) { c.quantize = false, c.seed = 11; }),
+    // 1 x 25 x 40 = 1000 cubes (a 121-frame 720p Wan latent has 960): the coarse kernels'
+    // shared memory must not grow with the cube count past what a block may have.
+    with({"Bf16C128ThousandCubesOneFrame", 1, 1, 1, 100, 320, vr::kCubeC128, 0.97},
+         [](Case& c) { c.quantize = false, c.seed = 12; }),
+};
 
-TEST(VsaCuda, QatC64RaggedTopPFastVideo) {
-  Case c{"qat-c64-top-p", 1, 3, 6, 5, 7, vr::kCubeC64, 0.4};
-  c.selection = vr::Selection::kTopP;
-  c.top_p = 0.5;
-  c.bwd = aq::BwdMode::kFastVideo;
-  c.seed = 2;
-  run_case(c);
-}
+// How gtest shows a case (test listings, failures).
+void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
 
-TEST(VsaCuda, Bf16C128FullCubesNoGate) {
-  Case c{"bf16-c128", 1, 2, 8, 8, 16, vr::kCubeC128, 0.75};
-  c.quantize = false;
-  c.gate = false;
-  c.seed = 3;
-  run_case(c);
-}
-
-TEST(VsaCuda, Bf16C64RaggedGate) {
-  Case c{"bf16-c64", 2, 1, 5, 7, 9, vr::kCubeC64, 0.6};
-  c.quantize = false;
-  c.seed = 4;
-  run_case(c);
-}
-
-TEST(VsaCuda, QatC64NoQuantVNoGate) {
-  Case c{"qat-c64-no-quant-v", 1, 2, 4, 9, 9, vr::kCubeC64, 0.7};
-  c.quant_v = false;
-  c.gate = false;
-  c.seed = 5;
-  run_case(c);
-}
-
-TEST(VsaCuda, QatC128NoQuantP) {
-  Case c{"qat-c128-no-quant-p", 1, 2, 4, 8, 12, vr::kCubeC128, 0.5};
-  c.quant_p = false;
-  c.seed = 6;
-  run_case(c);
-}
-
-TEST(VsaCuda, QatC128WanLikeBorders) {
-  // The Wan grid's border pattern (h 30 = 7 * 4 + 2, w 52 = 6 * 8 + 4) on fewer frames.
-  Case c{"qat-c128-wan-borders", 1, 2, 4, 30, 52, vr::kCubeC128, 0.9};
-  c.seed = 7;
-  run_case(c);
-}
-
-TEST(VsaCuda, QatC128DenseLists) {
-  // Sparsity 0: every query cube visits all 12 cubes (24 blocks, 12 KV tiles of the
-  // wgmma forward), so the list prefetch runs over many tiles.
-  Case c{"qat-c128-dense-lists", 1, 1, 8, 8, 24, vr::kCubeC128, 0.0};
-  c.seed = 8;
-  run_case(c);
-}
-
-TEST(VsaCuda, Bf16C128TiedScores) {
-  // q = 0: all coarse scores are exactly 0, so top-k keeps the lowest cube indices.
-  Case c{"bf16-c128-tied", 1, 2, 5, 6, 10, vr::kCubeC128, 0.6};
-  c.quantize = false;
-  c.zero_q = true;
-  c.seed = 9;
-  run_case(c);
-}
-
-TEST(VsaCuda, QatC64TiedScoresTopP) {
-  // Uniform coarse probabilities: top-p keeps the first ceil(top_p * nc) cubes by index.
-  Case c{"qat-c64-tied-top-p", 2, 1, 6, 5, 7, vr::kCubeC64, 0.3};
-  c.selection = vr::Selection::kTopP;
-  c.top_p = 0.35;
-  c.zero_q = true;
-  c.seed = 10;
-  run_case(c);
-}
-
-TEST(VsaCuda, Bf16C128ManyCubesOneFrame) {
-  // 1 x 7 x 28 = 196 cubes of 32 tokens: the coarse kernels' dynamic shared memory is
-  // just under 48 KiB, their static memory takes the block past it (the launch must opt
-  // in); partial cubes in t.
-  Case c{"bf16-c128-196-cubes", 1, 1, 1, 28, 224, vr::kCubeC128, 0.9};
-  c.quantize = false;
-  c.seed = 11;
-  run_case(c);
-}
-
-TEST(VsaCuda, Bf16C128ThousandCubesOneFrame) {
-  // 1 x 25 x 40 = 1000 cubes (a 121-frame 720p Wan latent has 960): the coarse kernels'
-  // shared memory must not grow past what a block may have with the cube count.
-  Case c{"bf16-c128-1000-cubes", 1, 1, 1, 100, 320, vr::kCubeC128, 0.97};
-  c.quantize = false;
-  c.seed = 12;
-  run_case(c);
-}
+class Pipeline : public ::testing::TestWithParam<Case> {};
+TEST_P(Pipeline, Case) { run_case(GetParam()); }
+INSTANTIATE_TEST_SUITE_P(VsaCuda, Pipeline, ::testing::ValuesIn(kPipelineCases),
+                         [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // The C128 fine forward (the attention visit-list wgmma kernel, tile_blocks 2) on
 // hand-made lists against vsa_ref::fine_forward at tile_blocks 2: lists of one
