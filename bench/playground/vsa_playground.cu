@@ -16,11 +16,13 @@
 // backward (each launched alone from a captured graph).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cxxabi.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -172,10 +174,25 @@ double median_ms(Fn&& fn, int iters, int per_event = 1) {
   return ms[ms.size() / 2];
 }
 
+// A kernel's name without its namespaces, template arguments and parameters
+// ("coarse_forward_kernel"), or its symbol when it cannot be demangled.
+std::string kernel_name(const void* func) {
+  const char* symbol = nullptr;
+  if (cudaFuncGetName(&symbol, func) != cudaSuccess || symbol == nullptr) return "?";
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(symbol, nullptr, nullptr, &status);
+  if (status != 0 || demangled == nullptr) return symbol;
+  std::string name = demangled;
+  std::free(demangled);
+  name = name.substr(0, name.find_first_of("<("));  // the template arguments or parameters
+  const size_t ns = name.rfind("::");
+  return ns == std::string::npos ? name : name.substr(ns + 2);
+}
+
 // Per-kernel times of one forward + backward: the calls are captured into a CUDA graph
-// and every kernel node is then launched alone with its captured arguments (median of
-// `iters` launches; its inputs are the previous run's, so the times are the kernels',
-// not the launch gaps'). Memset nodes are listed without a time.
+// and every kernel node is then launched alone with its captured arguments (median_ms;
+// its inputs are the previous run's, so the times are the kernels', not the launch
+// gaps'). Memset nodes are listed without a time.
 void profile(Pipeline& p, int iters) {
   cudaStream_t s;
   VQAD_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -188,9 +205,6 @@ void profile(Pipeline& p, int iters) {
   VQAD_CUDA_CHECK(cudaGraphGetNodes(g, nullptr, &count));
   std::vector<cudaGraphNode_t> nodes(count);
   VQAD_CUDA_CHECK(cudaGraphGetNodes(g, nodes.data(), &count));
-  cudaEvent_t a, b;
-  VQAD_CUDA_CHECK(cudaEventCreate(&a));
-  VQAD_CUDA_CHECK(cudaEventCreate(&b));
   double total = 0;
   for (cudaGraphNode_t n : nodes) {  // capture order of a single stream
     cudaGraphNodeType type;
@@ -201,32 +215,17 @@ void profile(Pipeline& p, int iters) {
     }
     cudaKernelNodeParams kp{};
     VQAD_CUDA_CHECK(cudaGraphKernelNodeGetParams(n, &kp));
-    const char* name = nullptr;
-    if (cudaFuncGetName(&name, kp.func) != cudaSuccess || name == nullptr) name = "?";
-    std::vector<float> ms;
-    for (int i = 0; i < iters + 2; ++i) {
-      VQAD_CUDA_CHECK(cudaEventRecord(a, s));
-      VQAD_CUDA_CHECK(cudaLaunchKernel(kp.func, kp.gridDim, kp.blockDim, kp.kernelParams, kp.sharedMemBytes, s));
-      VQAD_CUDA_CHECK(cudaEventRecord(b, s));
-      VQAD_CUDA_CHECK(cudaEventSynchronize(b));
-      float t = 0;
-      VQAD_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-      if (i >= 2) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    const double med = ms[ms.size() / 2];
+    const double med = median_ms(
+        [&] {
+          VQAD_CUDA_CHECK(cudaLaunchKernel(kp.func, kp.gridDim, kp.blockDim, kp.kernelParams, kp.sharedMemBytes, 0));
+        },
+        iters);
     total += med;
-    std::string shown = name;
-    const size_t paren = shown.find('(');
-    if (paren != std::string::npos) shown = shown.substr(0, paren);
-    const size_t ns = shown.rfind("::");
-    if (ns != std::string::npos) shown = shown.substr(ns + 2);
+    const std::string shown = kernel_name(kp.func);
     std::printf("  %-60s %9.3f  grid %ux%ux%u block %u smem %zu\n", shown.c_str(), med, kp.gridDim.x, kp.gridDim.y,
                 kp.gridDim.z, kp.blockDim.x * kp.blockDim.y * kp.blockDim.z, static_cast<size_t>(kp.sharedMemBytes));
   }
   std::printf("  %-60s %9.3f\n", "sum of kernels", total);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
 }

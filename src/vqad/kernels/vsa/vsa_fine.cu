@@ -679,17 +679,6 @@ dim3 block_grid(const VsaConfig& c) {
               static_cast<unsigned>(c.batch));
 }
 
-template <typename Kernel>
-void set_smem(Kernel kernel, size_t bytes, const VsaConfig& c, const char* op) {
-  int device = 0;
-  VQAD_CUDA_CHECK(cudaGetDevice(&device));
-  int optin = 0;
-  VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  VQAD_LAUNCH_CHECK(bytes <= static_cast<size_t>(optin), op, detail::shape_str(c), "expected ", bytes,
-                    " bytes of shared memory per block, found ", optin, " on the device");
-  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
-
 constexpr const char* kFineForwardOp = "vsa fine forward";
 constexpr const char* kFineBackwardOp = "vsa fine backward (wgmma)";
 
@@ -773,7 +762,7 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
   p.list_stride = c.topk;
   const size_t smem = fwd_smem_bytes(c.topk * c.tiling.blocks_per_cube);
   auto launch = [&](auto kernel) {
-    set_smem(kernel, smem, c, kFineForwardOp);
+    detail::allow_dynamic_smem(kernel, smem, kFineForwardOp, "visit lists", c);
     kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
     VQAD_CUDA_CHECK_LAUNCH("vsa fine_fwd_kernel");
   };
@@ -802,7 +791,7 @@ void launch_fine_dkdv(const VsaConfig& c, const void* tiled_q, const void* tiled
   p.list_stride = c.tiling.num_cubes;
   const size_t smem = dkdv_smem_bytes(c.tiling.num_cubes * c.tiling.blocks_per_cube);
   auto launch = [&](auto kernel) {
-    set_smem(kernel, smem, c, "vsa fine dK/dV");
+    allow_dynamic_smem(kernel, smem, "vsa fine dK/dV", "inverse lists", c);
     kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
     VQAD_CUDA_CHECK_LAUNCH("vsa fine_dkdv_kernel");
   };
@@ -830,7 +819,7 @@ void launch_fine_dq(const VsaConfig& c, const void* tiled_q, const void* tiled_k
   p.list_count = sel_count;
   p.list_stride = c.topk;
   const size_t smem = dq_smem_bytes(c.topk * c.tiling.blocks_per_cube);
-  set_smem(fine_dq_kernel, smem, c, "vsa fine dQ");
+  allow_dynamic_smem(fine_dq_kernel, smem, "vsa fine dQ", "visit lists", c);
   fine_dq_kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
   VQAD_CUDA_CHECK_LAUNCH("vsa fine_dq_kernel");
 }

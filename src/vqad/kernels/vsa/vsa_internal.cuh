@@ -3,15 +3,37 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
+#include "vqad/kernels/common/cuda_check.h"
+#include "vqad/kernels/common/launch.h"
 #include "vqad/kernels/vsa/vsa_kernels.h"
 
 namespace vqad::kernels::vsa::detail {
 
 // "B=.. H=.. grid TxHxW L=.. cubes=.. P=.. topk=.." for error messages.
 std::string shape_str(const VsaConfig& c);
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory on the current device: a
+// one-line error naming the op, the stage and the shape when its static plus dynamic
+// shared memory exceeds what a block may opt in to; otherwise the attribute is set (on
+// every call: the default 48 KiB covers static plus dynamic memory, so a dynamic size
+// just under it can still need the opt-in).
+template <class Kernel>
+void allow_dynamic_smem(Kernel kernel, size_t bytes, const char* op, const char* stage, const VsaConfig& c) {
+  int device = 0, optin = 0;
+  VQAD_CUDA_CHECK(cudaGetDevice(&device));
+  VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attr{};
+  VQAD_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const size_t limit = static_cast<size_t>(optin) > attr.sharedSizeBytes ? optin - attr.sharedSizeBytes : 0;
+  VQAD_LAUNCH_CHECK(bytes <= limit, op, shape_str(c), stage, ": expected at most ", limit,
+                    " bytes of dynamic shared memory per block (the device's ", optin, " less ", attr.sharedSizeBytes,
+                    " static), found ", bytes, " bytes for ", c.tiling.num_cubes, " cubes");
+  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
 
 // dK, dV (fine parts, tiled BF16) per KV block over the query cubes of the inverse lists
 // inv_index [B, H, nc, nc] / inv_count [B, H, nc].

@@ -95,6 +95,11 @@ __device__ __forceinline__ void load8f(const float* p, float* x) {
 // dense kernel's statistics), and, when dgate is set, dgate = bf16(dO * out_c[cube]) in
 // raster order.
 enum class Pool { kNone, kMean, kMulSum };
+constexpr int kTileGroups = kD / 16;               // 16-channel groups per row (a thread's piece)
+constexpr int kTileRowGroups = kD / kTileGroups;  // rows per step of a block of kD threads
+static_assert(kTileGroups == 8 && 32 % kTileGroups == 0,
+              "tile_pool_kernel: a row is 8 consecutive lanes (the statistics' butterfly maps lane distances "
+              "16, 8, 4 onto them)");
 struct TileArgs {
   const bf16* src;
   int64_t sb, sl, sh;
@@ -117,11 +122,8 @@ struct TileArgs {
 };
 template <Pool POOL, bool STATS>
 __global__ void __launch_bounds__(kD) tile_pool_kernel(const TileArgs a) {
-  extern __shared__ uint4 s_rows[];  // kMean: [cube_slots][kD] src; kMulSum: [kRowGroups][kD] fp32 partial sums
-  constexpr int kGroups = kD / 16;   // 16-channel groups per row
-  constexpr int kRowGroups = kD / kGroups;  // rows per step of the block
-  static_assert(kD % 16 == 0 && kGroups == 8 && kD % (kGroups * 32 / 8) == 0,
-                "tile_pool_kernel: a row is 8 consecutive lanes of 16 channels");
+  extern __shared__ uint4 s_rows[];  // kMean: [cube_slots][kD] src; kMulSum: [kTileRowGroups][kD] fp32 partial sums
+  constexpr int kGroups = kTileGroups;
   const int cube = blockIdx.x, h = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
   const int64_t bh = static_cast<int64_t>(b) * a.H + h;
   const int32_t* slots = a.slot_to_token + static_cast<int64_t>(cube) * a.cube_slots;
@@ -220,14 +222,14 @@ __global__ void __launch_bounds__(kD) tile_pool_kernel(const TileArgs a) {
     a.pool[(bh * a.nc + cube) * kD + t] = bf16r(__fdiv_rn(sum, static_cast<float>(n)));
   }
   if constexpr (POOL == Pool::kMulSum) {
-    float* s_part = reinterpret_cast<float*>(s_rows);  // [kRowGroups][kD]
+    float* s_part = reinterpret_cast<float*>(s_rows);  // [kTileRowGroups][kD]
     const int rg = t / kGroups, cg = t % kGroups;
 #pragma unroll
     for (int i = 0; i < 16; ++i) s_part[rg * kD + cg * 16 + i] = part_sum[i];
     __syncthreads();
     float sum = 0.0f;
 #pragma unroll
-    for (int g = 0; g < kRowGroups; ++g) sum = __fadd_rn(sum, s_part[g * kD + t]);
+    for (int g = 0; g < kTileRowGroups; ++g) sum = __fadd_rn(sum, s_part[g * kD + t]);
     a.pool[(bh * a.nc + cube) * kD + t] = sum;
   }
 }
@@ -263,18 +265,18 @@ constexpr int kCoarseThreads = 256;
 constexpr int kCoarseRows = 4;  // query-cube rows per block
 constexpr int kDotChunk = 16, kDotStride = kDotChunk + 4;
 constexpr int kDotStageFloats = kCoarseThreads * kDotStride;
-static_assert(kD % kDotChunk == 0 && (kCoarseThreads * kDotChunk / 4) % kCoarseThreads == 0 &&
-                  kCoarseThreads % kD == 0 && (kCoarseRows * kD) % kCoarseThreads == 0,
-              "coarse kernels: whole 16-byte pieces per thread, whole rows of d per thread group");
+static_assert(kD % kDotChunk == 0 && kDotChunk % 4 == 0 && kCoarseThreads % kD == 0 &&
+                  (kCoarseRows * kD) % kCoarseThreads == 0,
+              "coarse kernels: chunks of 16-byte pieces, whole rows of d per thread group");
 template <int R>
 __device__ __forceinline__ void coarse_dots(const float (*s_a)[kD], const float* b, int nc, int j0, float* s_b,
                                             float (&dot)[R]) {
   const int tid = threadIdx.x;
-  constexpr int kPieces = kDotChunk / 4, kLoads = kCoarseThreads * kPieces / kCoarseThreads;
+  constexpr int kPieces = kDotChunk / 4;  // 16-byte pieces per row and chunk, as many per thread
   auto stage = [&](int buf, int c0) {
     float* dst = s_b + buf * kDotStageFloats;
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
+    for (int i = 0; i < kPieces; ++i) {
       const int e = tid + i * kCoarseThreads, row = e / kPieces, piece = e % kPieces;
       if (j0 + row < nc)
         cp_async16(dst + row * kDotStride + piece * 4, b + static_cast<int64_t>(j0 + row) * kD + c0 + piece * 4, true);
@@ -342,12 +344,15 @@ constexpr int kCoarseVRows = 32;  // v_c rows per out_c step (coarse_forward_ker
 constexpr int kCoarseVLoads = kCoarseVRows * kD / 4 / kCoarseThreads;  // 16-byte pieces per thread and step
 static_assert(kCoarseVLoads * kCoarseThreads * 4 == kCoarseVRows * kD, "coarse v_c steps of whole pieces per thread");
 __host__ __device__ constexpr int coarse_stage_floats(int R, int nc) {
-  return 2 * kDotStageFloats > 2 * kCoarseVRows * kD
-             ? (2 * kDotStageFloats > 3 * R * nc ? 2 * kDotStageFloats : 3 * R * nc)
-             : (2 * kCoarseVRows * kD > 3 * R * nc ? 2 * kCoarseVRows * kD : 3 * R * nc);
+  constexpr int kFixed = 2 * kDotStageFloats > 2 * kCoarseVRows * kD ? 2 * kDotStageFloats : 2 * kCoarseVRows * kD;
+  return kFixed > 3 * R * nc ? kFixed : 3 * R * nc;
 }
 constexpr size_t coarse_smem_bytes(int R, int nc) {
   return (static_cast<size_t>((coarse_stage_floats(R, nc) + 3) / 4 * 4) + 2 * static_cast<size_t>(R) * nc) * 4;
+}
+// coarse_dscores_kernel: the two buffers of coarse_dots and the [R][nc] dprobs and probs.
+constexpr size_t dscores_smem_bytes(int R, int nc) {
+  return (2 * static_cast<size_t>(kDotStageFloats) + 2 * static_cast<size_t>(R) * nc) * 4;
 }
 
 // Orderable key of a score: larger float, larger key; NaN ranks as -inf and -0 as +0 (the
@@ -620,8 +625,8 @@ __global__ void combine_kernel(const bf16* o_fine, const float* out_c, const bf1
 // Coarse backward of R query cube rows, one block per (b, h, R rows):
 // dprobs_ij = d_outc_i . v_c_j; ds_ij = probs_ij * (dprobs_ij - sum_k probs_ik dprobs_ik) * scale.
 // The rows of probs and dprobs stay in shared memory (dscores_smem_bytes).
-template <int R>
 // (At least 3 blocks per SM: without the bound ptxas stops at 64 registers and spills.)
+template <int R>
 __global__ void __launch_bounds__(kCoarseThreads, 3) coarse_dscores_kernel(const float* d_outc, const float* v_c,
                                                                         const float* probs, float* dscores, int H,
                                                                         int nc, float scale) {
@@ -909,21 +914,6 @@ void check_config(const char* op, const VsaConfig& c) {
                     static_cast<int64_t>(c.batch) * c.heads * t.num_cubes);
 }
 
-// Lets kernel launch with smem bytes of dynamic shared memory (refused past what an sm_90
-// block may opt in to with the kernel's static shared memory, naming the stage and the
-// cube count). The attribute is set on every call: the default 48 KiB covers static plus
-// dynamic memory, so a size just under it can still need it.
-constexpr size_t kMaxBlockSmem = 227 * 1024;
-template <class Kernel>
-void allow_smem(Kernel kernel, size_t smem, const char* op, const char* stage, const VsaConfig& c) {
-  cudaFuncAttributes attr{};
-  VQAD_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  VQAD_LAUNCH_CHECK(smem + attr.sharedSizeBytes <= kMaxBlockSmem, op, detail::shape_str(c), stage,
-                    ": expected at most ", kMaxBlockSmem - attr.sharedSizeBytes,
-                    " bytes of dynamic shared memory, found ", smem, " bytes for ", c.tiling.num_cubes, " cubes");
-  VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-}
-
 template <typename T>
 T* carve(uint8_t*& cur, size_t bytes) {
   T* p = reinterpret_cast<T*>(cur);
@@ -975,12 +965,10 @@ void launch_tile_pool(const VsaConfig& c, BlhdIn src, BlhdIn mul, void* dst_tile
   const int cube_slots = c.tiling.blocks_per_cube * kBT;
   const size_t smem = POOL == Pool::kNone     ? 0
                       : POOL == Pool::kMean   ? static_cast<size_t>(cube_slots) * kD * 2
-                                              : static_cast<size_t>(kD / (kD / 16)) * kD * 4;
+                                              : static_cast<size_t>(kTileRowGroups) * kD * 4;
   VQAD_LAUNCH_CHECK(smem <= 96 * 1024, kTileOp, detail::shape_str(c), "expected at most 96 KiB of shared memory, "
                     "found ", smem, " bytes for ", cube_slots, " slots per cube");
-  if (smem > 48 * 1024)
-    VQAD_CUDA_CHECK(cudaFuncSetAttribute(tile_pool_kernel<POOL, STATS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem)));
+  detail::allow_dynamic_smem(tile_pool_kernel<POOL, STATS>, smem, kTileOp, "tiling", c);
   const dim3 grid(static_cast<unsigned>(c.tiling.num_cubes), static_cast<unsigned>(c.heads),
                   static_cast<unsigned>(c.batch));
   TileArgs t{};
@@ -1045,7 +1033,7 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
                       static_cast<unsigned>(c.batch));
   {
     const size_t smem = coarse_smem_bytes(kCoarseRows, nc);
-    allow_smem(coarse_forward_kernel<kCoarseRows>, smem, kForwardOp, "coarse stage", c);
+    detail::allow_dynamic_smem(coarse_forward_kernel<kCoarseRows>, smem, kForwardOp, "coarse stage", c);
     coarse_forward_kernel<kCoarseRows><<<row_grid, kCoarseThreads, smem, stream>>>(
         a.q_c, a.k_c, a.v_c, a.probs, a.out_c, a.sel_index, a.sel_count, H, nc, resolved_scale(c), c.topk,
         c.top_p_mode && c.top_p < 1.0f, c.top_p);
@@ -1131,13 +1119,12 @@ void vsa_backward(const VsaConfig& c, const VsaBackwardArgs& a, cudaStream_t str
   if (has_gate) {
     const dim3 row_grid(static_cast<unsigned>((nc + kCoarseRows - 1) / kCoarseRows), static_cast<unsigned>(H),
                         static_cast<unsigned>(c.batch));
-    const size_t smem = (static_cast<size_t>(2 * kDotStageFloats) + static_cast<size_t>(2 * kCoarseRows) * nc) *
-                        sizeof(float);
-    allow_smem(coarse_dscores_kernel<kCoarseRows>, smem, kBackwardOp, "coarse gradients", c);
+    const size_t smem = dscores_smem_bytes(kCoarseRows, nc);
+    detail::allow_dynamic_smem(coarse_dscores_kernel<kCoarseRows>, smem, kBackwardOp, "coarse gradients", c);
     coarse_dscores_kernel<kCoarseRows><<<row_grid, kCoarseThreads, smem, stream>>>(d_outc, a.v_c, a.probs, dscores, H,
                                                                                    nc, resolved_scale(c));
     VQAD_CUDA_CHECK_LAUNCH("vsa coarse_dscores_kernel");
-    allow_smem(coarse_dqkv_kernel, kDqkvSmemBytes, kBackwardOp, "coarse gradients", c);
+    detail::allow_dynamic_smem(coarse_dqkv_kernel, kDqkvSmemBytes, kBackwardOp, "coarse gradients", c);
     const dim3 dqkv_grid(static_cast<unsigned>((nc + kDqkvCubes - 1) / kDqkvCubes), static_cast<unsigned>(H),
                          static_cast<unsigned>(c.batch));
     coarse_dqkv_kernel<<<dqkv_grid, kDqkvThreads, kDqkvSmemBytes, stream>>>(dscores, a.probs, a.q_c, a.k_c, d_outc,
