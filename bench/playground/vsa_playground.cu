@@ -232,6 +232,8 @@ void profile(Pipeline& p, int iters) {
 
 }  // namespace
 
+int run(const Args& a, bool prof);
+
 int main(int argc, char** argv) {
   Args a;
   bool prof = false;
@@ -257,6 +259,22 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (a.T < 1 || a.Hg < 1 || a.W < 1 || a.heads < 1 || a.iters < 1 || !(a.sparsity >= 0.0 && a.sparsity < 1.0)) {
+    std::fprintf(stderr,
+                 "vsa_playground: expected grid dims, heads and iters >= 1 and sparsity in [0, 1), found grid %dx%dx%d "
+                 "heads=%d iters=%d sparsity=%g\n",
+                 a.T, a.Hg, a.W, a.heads, a.iters, a.sparsity);
+    return 2;
+  }
+  try {
+    return run(a, prof);
+  } catch (const std::exception& e) {  // launch checks (vqad::Error) and CUDA failures: one line
+    std::fprintf(stderr, "vsa_playground: %s\n", e.what());
+    return 1;
+  }
+}
+
+int run(const Args& a, bool prof) {
   int failures = 0;
   std::printf("grid %dx%dx%d, B=1 H=%d D=%d, sparsity %.2f, C128, gate on\n", a.T, a.Hg, a.W, a.heads, kD,
               a.sparsity);
