@@ -438,6 +438,11 @@ const Case kPipelineCases[] = {
     // shared memory must not grow with the cube count past what a block may have.
     with({"Bf16C128ThousandCubesOneFrame", 1, 1, 1, 100, 320, vr::kCubeC128, 0.97},
          [](Case& c) { c.quantize = false, c.seed = 12; }),
+    // h 6 = 4 + 2, w 12 = 8 + 4: the border cubes hold one physical block, so their dK/dV
+    // tiles split the query list between the two warpgroups (odd and even list lengths),
+    // here with the FastVideo backward mode.
+    with({"QatC128OneBlockCubesFastVideo", 1, 2, 5, 6, 12, vr::kCubeC128, 0.3},
+         [](Case& c) { c.bwd = aq::BwdMode::kFastVideo, c.seed = 13; }),
 };
 
 // How gtest shows a case (test listings, failures).

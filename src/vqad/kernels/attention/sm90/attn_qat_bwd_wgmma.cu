@@ -217,6 +217,20 @@ struct VisitDkdvSmem {
   static constexpr int kEpi = kBar + 16 * kStages;
   static constexpr int kBytes = kEpi + kKeysPerCta * 4 + 2 * kVisitD * 4;
 };
+// SPLIT dK/dV (a key tile of one 64-row block): 64-row K and V tiles and stages of two
+// query blocks (Q, dO of slot 0, then of slot 1; statistics [kStages][2][64]).
+struct VisitDkdvSplitSmem {
+  static constexpr int kTileK = kQueryTile * kVisitD * 2, kTileQ = kQueryTile * kVisitD * 2;
+  static constexpr int kK = 0, kV = kTileK;
+  static constexpr int kQ = 2 * kTileK;  // stage s, slot w: Q at kQ + (2 s + w) * 2 * kTileQ, dO after it
+  static constexpr int kSt = kQ + kStages * 2 * 2 * kTileQ;
+  static constexpr int kScale = kSt + kStages * 2 * kQueryTile * 16;
+  static constexpr int kBar = kScale + static_cast<int>(kScaleTableBytes);
+  static constexpr int kEpi = kBar + 16 * kStages;
+  static constexpr int kBytes = kEpi + kKeysPerCta * 4 + 2 * kVisitD * 4;
+};
+// warpgroup 1's hand-over of its dK, dV sums fits in the stages
+static_assert(VisitDkdvSplitSmem::kSt - VisitDkdvSplitSmem::kQ >= 2 * 16 * 128 * 16, "split hand-over space");
 struct VisitDqSmem {
   static constexpr int kTileQ = kQueriesPerCta * kVisitD * 2, kTileK = kDqKeyTile * kVisitD * 2;
   static constexpr int kQ = 0, kdO = kTileQ;
@@ -225,7 +239,8 @@ struct VisitDqSmem {
   static constexpr int kEpi = kBar + 16 * kStages;  // [kQueriesPerCta] raster rows, the dQ coarse row
   static constexpr int kBytes = kEpi + kQueriesPerCta * 4 + kVisitD * 4;
 };
-static_assert(VisitDkdvSmem::kEpi % 16 == 0 && VisitDqSmem::kEpi % 16 == 0, "16-byte cp.async rows");
+static_assert(VisitDkdvSmem::kEpi % 16 == 0 && VisitDkdvSplitSmem::kEpi % 16 == 0 && VisitDqSmem::kEpi % 16 == 0,
+              "16-byte cp.async rows");
 static_assert(kKeysPerCta == kQueriesPerCta, "a visit CTA's rows are one coarse group (VisitLists::coarse_group_rows)");
 // The scattered epilogue's rows (VisitLists::row_to_token) and the coarse rows of the CTA's
 // tile (coarse0, coarse1; null: none) by cp.async into the body's kEpi area, in the body's
@@ -248,8 +263,8 @@ __device__ __forceinline__ void load_scatter_rows(const KernelParams& p, const V
     }
   }
 }
-constexpr size_t kVisitSmem = 1024 + (VisitDkdvSmem::kBytes > VisitDqSmem::kBytes ? VisitDkdvSmem::kBytes
-                                                                                     : VisitDqSmem::kBytes);
+constexpr size_t kVisitSmem =
+    1024 + std::max({VisitDkdvSmem::kBytes, VisitDkdvSplitSmem::kBytes, VisitDqSmem::kBytes});
 
 // Per query block (per warpgroup, 64 keys):
 //   S^T, dP^T issued as two groups; phase 1 (exp2 + P quantization) overlaps
@@ -512,15 +527,24 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
 // to dq_visit_body (the recompute form). Per step and warpgroup: S^T, dP^T issued as two
 // groups; phase 1 (exp2 + P quantization) overlaps dP^T; dV issued; phase 2 (dS)
 // overlaps dV; dK issued.
+// SPLIT (a key tile of one 64-row block, VSA's partial cubes, where the second
+// warpgroup's keys are all padding): both warpgroups take the same 64 keys and split the
+// list, warpgroup w visiting entries [w * half, w * half + half), half = ceil(n / 2); a
+// stage then holds two query blocks (VisitDkdvSplitSmem), and at the end warpgroup 1
+// hands its dK, dV sums to warpgroup 0 through shared memory, which adds them to its own
+// (a fixed order) and stores the rows. Without it the tile's second warpgroup would idle
+// while the first visits the whole list.
 // (The per-step chain is written out as in dkdv_body: routed through one shared helper,
 // ptxas allocated both kernels' registers differently and spilled 4 - 16 bytes.)
-template <AttnQatBwdPMode MODE>
+template <AttnQatBwdPMode MODE, bool SPLIT>
 __device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUtensorMap* tm_q,
                                                 const CUtensorMap* tm_do, const CUtensorMap* tm_st, uint8_t* smem,
                                                 int b, int h, int kv_block, const VisitLists* vl) {
-  using L = VisitDkdvSmem;
+  using L = std::conditional_t<SPLIT, VisitDkdvSplitSmem, VisitDkdvSmem>;
   constexpr int kD = kVisitD;
-  constexpr uint32_t kStageTx = 2 * L::kTileQ + kQueryTile * sizeof(float4);
+  constexpr int kSlots = SPLIT ? 2 : 1;  // query blocks per stage
+  constexpr int kKeyRows = SPLIT ? kQueryTile : kKeysPerCta;  // rows of the K / V tiles
+  constexpr uint32_t kSlotTx = 2 * L::kTileQ + kQueryTile * sizeof(float4);
   uint8_t* sK = smem + L::kK;
   uint8_t* sV = smem + L::kV;
   const float4* sSt = reinterpret_cast<const float4*>(smem + L::kSt);
@@ -533,27 +557,33 @@ __device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUt
   const int kv0 = kv_block * kKeysPerCta;
   const int64_t list_row = (static_cast<int64_t>(b) * p.H + h) * vl->kv_tiles + kv_block;
   const int32_t* qlist = vl->q_entries + list_row * vl->q_stride;
-  const int steps = __ldg(vl->q_counts + list_row);
+  const int count = __ldg(vl->q_counts + list_row);
+  const int half = SPLIT ? (count + 1) / 2 : count;
+  const int steps = half;  // SPLIT: joint steps, slot w = entry w * half + i
 
   const VisitStages stages{base + L::kBar, reinterpret_cast<int*>(smem + L::kBar + 8 * kStages)};
   auto issue = [&](int i) {
     const int st = i % kStages;
-    const uint32_t bar = stages.bar_full + 8 * st, dst = base + L::kQ + st * 2 * L::kTileQ;
-    const int row0 = (__ldg(qlist + i) >> kAttnQatVisitCountBits) * kQueryTile;
-    sm90::mbar_arrive_expect_tx(bar, kStageTx);
+    const uint32_t bar = stages.bar_full + 8 * st;
+    const int slots = SPLIT && half + i >= count ? 1 : kSlots;
+    sm90::mbar_arrive_expect_tx(bar, slots * kSlotTx);
+    for (int slot = 0; slot < slots; ++slot) {
+      const uint32_t dst = base + L::kQ + (st * kSlots + slot) * 2 * L::kTileQ;
+      const int row0 = (__ldg(qlist + slot * half + i) >> kAttnQatVisitCountBits) * kQueryTile;
 #pragma unroll
-    for (int half = 0; half < kD / 64; ++half) {
-      sm90::tma_load_4d(dst + half * kQueryTile * kRowBytes, tm_q, bar, 64 * half, row0, h, b);
-      sm90::tma_load_4d(dst + L::kTileQ + half * kQueryTile * kRowBytes, tm_do, bar, 64 * half, row0, h, b);
+      for (int hf = 0; hf < kD / 64; ++hf) {
+        sm90::tma_load_4d(dst + hf * kQueryTile * kRowBytes, tm_q, bar, 64 * hf, row0, h, b);
+        sm90::tma_load_4d(dst + L::kTileQ + hf * kQueryTile * kRowBytes, tm_do, bar, 64 * hf, row0, h, b);
+      }
+      sm90::tma_load_3d(base + L::kSt + (st * kSlots + slot) * kQueryTile * 16, tm_st, bar, 0, row0, b * p.H + h);
     }
-    sm90::tma_load_3d(base + L::kSt + st * kQueryTile * 16, tm_st, bar, 0, row0, b * p.H + h);
   };
   if (tid == 0) {
     stages.init();
     for (int i = 0; i < kStages && i < steps; ++i) issue(i);
   }
-  load_tile_sw128<kKeysPerCta, kThreads, kD>(sK, p.k, b, h, kv0, p.Lkv, tid);
-  load_tile_sw128<kKeysPerCta, kThreads, kD>(sV, p.v, b, h, kv0, p.Lkv, tid);
+  load_tile_sw128<kKeyRows, kThreads, kD>(sK, p.k, b, h, kv0, p.Lkv, tid);
+  load_tile_sw128<kKeyRows, kThreads, kD>(sV, p.v, b, h, kv0, p.Lkv, tid);
   load_scatter_rows(p, vl, b, h, kv_block, p.Lkv, vl->coarse_dk, vl->coarse_dv, smem + L::kEpi, tid);
   cp_async_commit();
   if (tid < 128) {
@@ -570,34 +600,38 @@ __device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUt
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
-  const int key_row0 = kv0 + wg * 64 + wq * 16 + g;  // this lane's keys: key_row0, +8
-  // Valid keys of this warpgroup's 64 rows: [kv0 + wg * 64, key_end).
-  const int key_end = kv0 + wg * 64 + __ldg(vl->key_rows + kv_block * 2 + wg);
-  const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > key_end;
+  const int key_wg = SPLIT ? 0 : wg;  // the warpgroup's 64 rows of the K / V tiles
+  const int key_row0 = kv0 + key_wg * 64 + wq * 16 + g;  // this lane's keys: key_row0, +8
+  // Valid keys of this warpgroup's 64 rows: [kv0 + key_wg * 64, key_end).
+  const int key_end = kv0 + key_wg * 64 + __ldg(vl->key_rows + kv_block * 2 + key_wg);
+  const bool key_tail = kv0 + key_wg * 64 + wq * 16 + 16 > key_end;
   const bool key_ok0 = key_row0 < key_end, key_ok1 = key_row0 + 8 < key_end;
   // A warpgroup whose 64 keys are all padding (a KV cube of one physical block) only
   // takes part in the stage hand-over (broadcast: warp-uniform).
-  const bool idle = __shfl_sync(0xffffffffu, key_end == kv0 + wg * 64 ? 1 : 0, 0) != 0;
+  const bool idle = !SPLIT && __shfl_sync(0xffffffffu, key_end == kv0 + wg * 64 ? 1 : 0, 0) != 0;
   const uint32_t aK = smem_u32(sK), aV = smem_u32(sV);
   const bool leader = (tid & 127) == 0;
 
   for (int i = 0; i < steps; ++i) {
     const int st = i % kStages;
     stages.wait(i);
-    if (!idle) {
-      const uint32_t aQ = base + L::kQ + st * 2 * L::kTileQ, adO = aQ + L::kTileQ;
-      const float4* cSt = sSt + st * kQueryTile;
+    // SPLIT: warpgroup 1 has no entry in the last joint step of an odd count
+    const bool work = SPLIT ? (wg == 0 || half + i < count) : !idle;
+    if (work) {
+      const int slot = SPLIT ? wg : 0;
+      const uint32_t aQ = base + L::kQ + (st * kSlots + slot) * 2 * L::kTileQ, adO = aQ + L::kTileQ;
+      const float4* cSt = sSt + (st * kSlots + slot) * kQueryTile;
       float s[8][4], dp[8][4];
       uint32_t ap[4][4], ads[4][4];  // BF16 A fragments of dV and dK
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
-        wgmma_m64n64k16_ss<0>(flat(s), desc_kmajor(aK, kKeysPerCta, wg * 64, kk), desc_kmajor(aQ, kQueryTile, 0, kk),
-                              kk > 0);
+        wgmma_m64n64k16_ss<0>(flat(s), desc_kmajor(aK, kKeyRows, key_wg * 64, kk),
+                              desc_kmajor(aQ, kQueryTile, 0, kk), kk > 0);
       wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
-        wgmma_m64n64k16_ss<0>(flat(dp), desc_kmajor(aV, kKeysPerCta, wg * 64, kk),
+        wgmma_m64n64k16_ss<0>(flat(dp), desc_kmajor(aV, kKeyRows, key_wg * 64, kk),
                               desc_kmajor(adO, kQueryTile, 0, kk), kk > 0);
       wgmma_commit();
       wgmma_wait<1>();  // S^T done; dP^T may still run
@@ -624,6 +658,29 @@ __device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUt
     }
     named_barrier_sync(2 + wg, 128);  // every warp of this warpgroup is done with stage st
     stages.release(st, i, steps, leader, issue);
+  }
+
+  if constexpr (SPLIT) {
+    // Warpgroup 1's sums to shared memory (the stages are free once both warpgroups are
+    // past their last step), float4 k of thread t at (k * 128 + t) * 16: conflict-free.
+    __syncthreads();
+    float4* hand = reinterpret_cast<float4*>(smem + L::kQ);
+    const int t = tid & 127;
+    if (wg == 1) {
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        hand[n * 128 + t] = make_float4(dk[n][0], dk[n][1], dk[n][2], dk[n][3]);
+        hand[(16 + n) * 128 + t] = make_float4(dv[n][0], dv[n][1], dv[n][2], dv[n][3]);
+      }
+    }
+    __syncthreads();
+    if (wg == 1) return;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const float4 a = hand[n * 128 + t], c = hand[(16 + n) * 128 + t];
+      dk[n][0] += a.x, dk[n][1] += a.y, dk[n][2] += a.z, dk[n][3] += a.w;
+      dv[n][0] += c.x, dv[n][1] += c.y, dv[n][2] += c.z, dv[n][3] += c.w;
+    }
   }
 
   if (vl->row_to_token != nullptr) {
@@ -809,8 +866,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (idx < dkdv_ctas) {
     const int blk = static_cast<int>(idx % vl.kv_tiles);
     idx /= vl.kv_tiles;
-    dkdv_visit_body<MODE>(p, &tm_q, &tm_do, &tm_st, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H),
-                          blk, &vl);
+    const int bb = static_cast<int>(idx / p.H), hh = static_cast<int>(idx % p.H);
+    if (__ldg(vl.key_rows + 2 * blk + 1) == 0 && __ldg(vl.key_rows + 2 * blk) > 0)
+      dkdv_visit_body<MODE, true>(p, &tm_q, &tm_do, &tm_st, smem, bb, hh, blk, &vl);
+    else
+      dkdv_visit_body<MODE, false>(p, &tm_q, &tm_do, &tm_st, smem, bb, hh, blk, &vl);
   } else {
     idx -= dkdv_ctas;
     const int blk = static_cast<int>(idx % vl.q_tiles);
