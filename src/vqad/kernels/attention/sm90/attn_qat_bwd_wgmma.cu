@@ -28,7 +28,11 @@
 // barrier per step at the Wan grid, docs/performance.md). With VisitLists::row_to_token the
 // epilogues scatter the rows to their raster positions and add a per-tile coarse row (the
 // VSA untiling); the rows and the coarse rows come by cp.async with the prologue's loads,
-// so the epilogue reads only shared memory.
+// so the epilogue reads only shared memory. A tile of one 64-row block (VSA's partial
+// border cubes, a quarter of the tiles at the Wan grid) would leave one warpgroup idle;
+// there both warpgroups take the block and split its list, and one hands its sums to the
+// other at the end (SPLIT bodies: 5% less backward time at the Wan grid,
+// docs/performance.md).
 //
 // Head dim D = 128 or 64 for the dense kernels (template parameter), 128 for the visit
 // lists. Shared tiles hold rows of D bf16 as 64-column halves ([half][row][64]),
@@ -697,15 +701,25 @@ __device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUt
 }
 
 // dQ of query tile q_block over the visit list of vl (the recompute form), per tile of
-// kDqKeyTile keys (per warpgroup, 64 queries): S and dP issued as two groups; exp2
-// overlaps dP; dQ issued. The key tiles are pairs of 64-row blocks of this query tile's
-// list, gathered into the tile's halves (rows past a block's valid count masked; a
-// missing second block is loaded past the tensor's end: zeros, masked whole).
+// KT keys (per warpgroup, 64 queries): S and dP issued as two groups; exp2 overlaps dP;
+// dQ issued. Without SPLIT the key tiles are pairs of 64-row blocks of this query tile's
+// list (KT = 128), gathered into the tile's halves (rows past a block's valid count
+// masked; a missing second block is loaded past the tensor's end: zeros, masked whole).
+// SPLIT (a query tile of one 64-row block, VSA's partial cubes): both warpgroups take the
+// same 64 queries and split the list, warpgroup w visiting entries [w * half, w * half +
+// half), half = ceil(n / 2), one block per step (KT = 64; a stage holds both warpgroups'
+// blocks); warpgroup 1 hands its dQ sums to warpgroup 0, which adds them to its own (a
+// fixed order) and stores the rows.
+template <bool SPLIT>
 __device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                               uint8_t* smem, int b, int h, int q_block, const VisitLists* vl) {
   using L = VisitDqSmem;
   constexpr int kD = kVisitD;
-  constexpr int KT = kDqKeyTile;
+  constexpr int KT = SPLIT ? kAttnQatVisitBlockRows : kDqKeyTile;
+  constexpr int kBlockSlices = kAttnQatVisitBlockRows / 8;  // n8 slices of S per visited block
+  // bytes of one warpgroup's K and V blocks in a SPLIT stage
+  constexpr uint32_t kSplitSlot = 2 * kAttnQatVisitBlockRows * kD * 2;
+  static_assert(2 * kSplitSlot == 2 * L::kTileK, "a SPLIT stage holds two blocks' K and V");
   uint8_t* sQ = smem + L::kQ;
   uint8_t* sdO = smem + L::kdO;
   const uint32_t base = smem_u32(smem);
@@ -718,22 +732,37 @@ __device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUten
   const int32_t* klist = vl->kv_entries + list_row * vl->kv_stride;
   const int kcount = __ldg(vl->kv_counts + list_row);
   auto kentry = [&](int i) { return i < kcount ? __ldg(klist + i) : 0; };
-  const int steps = (kcount + 1) / 2;
+  const int half = (kcount + 1) / 2;
+  const int steps = half;  // SPLIT: joint steps, warpgroup w's entry w * half + kb; else pairs 2 kb, 2 kb + 1
 
   const VisitStages stages{base + L::kBar, reinterpret_cast<int*>(smem + L::kBar + 8 * kStages)};
   auto issue = [&](int kb) {
     const int st = kb % kStages;
     const uint32_t bar = stages.bar_full + 8 * st, dst = base + L::kK + st * 2 * L::kTileK;
-    sm90::mbar_arrive_expect_tx(bar, 2 * L::kTileK);
+    if constexpr (SPLIT) {
+      const int slots = half + kb < kcount ? 2 : 1;
+      sm90::mbar_arrive_expect_tx(bar, slots * kSplitSlot);
+      for (int slot = 0; slot < slots; ++slot) {
+        const int row = (__ldg(klist + slot * half + kb) >> kAttnQatVisitCountBits) * kAttnQatVisitBlockRows;
+        const uint32_t d = dst + slot * kSplitSlot;
 #pragma unroll
-    for (int slot = 0; slot < 2; ++slot) {
-      const int i = 2 * kb + slot;
-      const int row = i < kcount ? (__ldg(klist + i) >> kAttnQatVisitCountBits) * kAttnQatVisitBlockRows : p.Lkv;
-      const uint32_t d = dst + slot * kAttnQatVisitBlockRows * kRowBytes;
+        for (int hf = 0; hf < kD / 64; ++hf) {
+          sm90::tma_load_4d(d + hf * KT * kRowBytes, tm_k, bar, 64 * hf, row, h, b);
+          sm90::tma_load_4d(d + kSplitSlot / 2 + hf * KT * kRowBytes, tm_v, bar, 64 * hf, row, h, b);
+        }
+      }
+    } else {
+      sm90::mbar_arrive_expect_tx(bar, 2 * L::kTileK);
 #pragma unroll
-      for (int half = 0; half < kD / 64; ++half) {
-        sm90::tma_load_4d(d + half * KT * kRowBytes, tm_k, bar, 64 * half, row, h, b);
-        sm90::tma_load_4d(d + L::kTileK + half * KT * kRowBytes, tm_v, bar, 64 * half, row, h, b);
+      for (int slot = 0; slot < 2; ++slot) {
+        const int i = 2 * kb + slot;
+        const int row = i < kcount ? (__ldg(klist + i) >> kAttnQatVisitCountBits) * kAttnQatVisitBlockRows : p.Lkv;
+        const uint32_t d = dst + slot * kAttnQatVisitBlockRows * kRowBytes;
+#pragma unroll
+        for (int hf = 0; hf < kD / 64; ++hf) {
+          sm90::tma_load_4d(d + hf * KT * kRowBytes, tm_k, bar, 64 * hf, row, h, b);
+          sm90::tma_load_4d(d + L::kTileK + hf * KT * kRowBytes, tm_v, bar, 64 * hf, row, h, b);
+        }
       }
     }
   };
@@ -746,7 +775,8 @@ __device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUten
   load_scatter_rows(p, vl, b, h, q_block, p.Lq, vl->coarse_dq, nullptr, smem + L::kEpi, tid);
   cp_async_commit();
 
-  const int row0 = q0 + wg * 64 + wq * 16 + g;  // this lane's queries: row0, row0 + 8
+  const int q_wg = SPLIT ? 0 : wg;  // the warpgroup's 64 rows of the query tile
+  const int row0 = q0 + q_wg * 64 + wq * 16 + g;  // this lane's queries: row0, row0 + 8
   const float4* st_bh = p.stats + (static_cast<int64_t>(b) * p.H + h) * p.Lq;
   const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float4 st0 = row0 < p.Lq ? st_bh[row0] : zero4;
@@ -764,31 +794,46 @@ __device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUten
   const uint32_t aQ = smem_u32(sQ), adO = smem_u32(sdO);
   // A warpgroup whose 64 queries are all padding (a query cube of one physical block)
   // only takes part in the stage hand-over; its dQ rows are 0.
-  const bool idle = __shfl_sync(0xffffffffu, __ldg(vl->key_rows + q_block * 2 + wg) == 0 ? 1 : 0, 0) != 0;
+  const bool idle = !SPLIT && __shfl_sync(0xffffffffu, __ldg(vl->key_rows + q_block * 2 + wg) == 0 ? 1 : 0, 0) != 0;
   const bool leader = (tid & 127) == 0;
   for (int kb = 0; kb < steps; ++kb) {
     const int st = kb % kStages;
     stages.wait(kb);
-    if (!idle) {
-      const uint32_t aK = base + L::kK + st * 2 * L::kTileK, aV = aK + L::kTileK;
+    // SPLIT: warpgroup 1 has no entry in the last joint step of an odd count
+    const bool work = SPLIT ? (wg == 0 || half + kb < kcount) : !idle;
+    if (work) {
+      const uint32_t aK = base + L::kK + st * 2 * L::kTileK + (SPLIT ? wg * kSplitSlot : 0);
+      const uint32_t aV = aK + (SPLIT ? kSplitSlot / 2 : L::kTileK);
       float s[KT / 8][4], dp[KT / 8][4];
       uint32_t ads[KT / 16][4];  // BF16 A fragments of dQ += dS K
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
-        wgmma_m64n128k16_ss<0>(flat(s), desc_kmajor(aQ, kQueriesPerCta, wg * 64, kk), desc_kmajor(aK, KT, 0, kk),
-                               kk > 0);
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        if constexpr (SPLIT)
+          wgmma_m64n64k16_ss<0>(flat(s), desc_kmajor(aQ, kQueriesPerCta, q_wg * 64, kk), desc_kmajor(aK, KT, 0, kk),
+                                kk > 0);
+        else
+          wgmma_m64n128k16_ss<0>(flat(s), desc_kmajor(aQ, kQueriesPerCta, q_wg * 64, kk),
+                                 desc_kmajor(aK, KT, 0, kk), kk > 0);
+      }
       wgmma_commit();
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
-        wgmma_m64n128k16_ss<0>(flat(dp), desc_kmajor(adO, kQueriesPerCta, wg * 64, kk), desc_kmajor(aV, KT, 0, kk),
-                               kk > 0);
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        if constexpr (SPLIT)
+          wgmma_m64n64k16_ss<0>(flat(dp), desc_kmajor(adO, kQueriesPerCta, q_wg * 64, kk),
+                                desc_kmajor(aV, KT, 0, kk), kk > 0);
+        else
+          wgmma_m64n128k16_ss<0>(flat(dp), desc_kmajor(adO, kQueriesPerCta, q_wg * 64, kk),
+                                 desc_kmajor(aV, KT, 0, kk), kk > 0);
+      }
       wgmma_commit();
       wgmma_wait<1>();  // S done; dP may still run
       fence_regs(flat(s));
 
-      // Keys of the tile: [0, key_n0) valid in the first half, [64, 64 + key_n1) in the second.
-      const int key_n0 = kentry(2 * kb) & 127, key_n1 = kentry(2 * kb + 1) & 127;
+      // Keys of the tile: [0, key_n0) valid in the first block, [64, 64 + key_n1) in the
+      // second (SPLIT: one block, the warpgroup's entry).
+      const int key_n0 = SPLIT ? kentry(wg * half + kb) & 127 : kentry(2 * kb) & 127;
+      const int key_n1 = SPLIT ? kAttnQatVisitBlockRows : kentry(2 * kb + 1) & 127;
       const bool key_tail = key_n0 < kQueryTile || key_n1 < kQueryTile;
       float pr[KT / 8][4];  // P (kept apart from the accumulator registers of S)
 #pragma unroll
@@ -797,8 +842,8 @@ __device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUten
         for (int e = 0; e < 2; ++e) {
           float p0 = fast_exp2(fmaf(s[j][e], p.c, -st0.x)) * st0.y;
           float p1 = fast_exp2(fmaf(s[j][2 + e], p.c, -st1.x)) * st1.y;
-          const bool hi = j >= KT / 16;  // second 64-row block of the tile
-          if (key_tail && (j % (KT / 16)) * 8 + 2 * t4 + e >= (hi ? key_n1 : key_n0)) p0 = p1 = 0.0f;
+          const bool hi = j >= kBlockSlices;  // second 64-row block of the tile
+          if (key_tail && (j % kBlockSlices) * 8 + 2 * t4 + e >= (hi ? key_n1 : key_n0)) p0 = p1 = 0.0f;
           pr[j][e] = p0;
           pr[j][2 + e] = p1;
         }
@@ -820,6 +865,25 @@ __device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUten
     }
     named_barrier_sync(2 + wg, 128);  // every warp of this warpgroup is done with stage st
     stages.release(st, kb, steps, leader, issue);
+  }
+
+  if constexpr (SPLIT) {
+    // Warpgroup 1's sums to shared memory (the stages are free once both warpgroups are
+    // past their last step), float4 n of thread t at (n * 128 + t) * 16: conflict-free.
+    __syncthreads();
+    float4* hand = reinterpret_cast<float4*>(smem + L::kK);
+    const int t = tid & 127;
+    if (wg == 1) {
+#pragma unroll
+      for (int n = 0; n < 16; ++n) hand[n * 128 + t] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+    }
+    __syncthreads();
+    if (wg == 1) return;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const float4 a = hand[n * 128 + t];
+      dq[n][0] += a.x, dq[n][1] += a.y, dq[n][2] += a.z, dq[n][3] += a.w;
+    }
   }
 
   if (vl->row_to_token != nullptr) {
@@ -875,7 +939,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     idx -= dkdv_ctas;
     const int blk = static_cast<int>(idx % vl.q_tiles);
     idx /= vl.q_tiles;
-    dq_visit_body(p, &tm_k, &tm_v, smem, static_cast<int>(idx / p.H), static_cast<int>(idx % p.H), blk, &vl);
+    const int bb = static_cast<int>(idx / p.H), hh = static_cast<int>(idx % p.H);
+    if (__ldg(vl.key_rows + 2 * blk + 1) == 0 && __ldg(vl.key_rows + 2 * blk) > 0)
+      dq_visit_body<true>(p, &tm_k, &tm_v, smem, bb, hh, blk, &vl);
+    else
+      dq_visit_body<false>(p, &tm_k, &tm_v, smem, bb, hh, blk, &vl);
   }
 #else
   (void)tm_q, (void)tm_do, (void)tm_st, (void)tm_k, (void)tm_v;
