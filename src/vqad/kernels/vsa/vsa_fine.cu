@@ -14,7 +14,8 @@
 //   C128: launch_fine_bwd_wgmma: the visit lists again, the inverse lists expanded to
 //         query blocks, and one launch of the ATTN_QAT_TRAIN wgmma backward over them
 //         (attn_bwd launch_wgmma_visit_kernels: dK/dV CTA = one KV cube, dQ CTA = one
-//         query cube over 128-key pairs of visited blocks; the streamed operands come by
+//         query cube over 128-key pairs of visited blocks; a cube of one physical block
+//         splits its list between the CTA's two warpgroups; the streamed operands come by
 //         TMA as they are, so the tiled tensors' padding rows must be finite: the tiling
 //         writes zeros there, the dO pass zero statistics).
 //   C64:  fine_dkdv_kernel and fine_dq_kernel below (mma.sync m16n8k16, bf16 in, fp32
