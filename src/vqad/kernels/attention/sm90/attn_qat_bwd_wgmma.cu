@@ -719,7 +719,7 @@ __device__ __forceinline__ void dq_visit_body(const KernelParams& p, const CUten
   constexpr int kBlockSlices = kAttnQatVisitBlockRows / 8;  // n8 slices of S per visited block
   // bytes of one warpgroup's K and V blocks in a SPLIT stage
   constexpr uint32_t kSplitSlot = 2 * kAttnQatVisitBlockRows * kD * 2;
-  static_assert(2 * kSplitSlot == 2 * L::kTileK, "a SPLIT stage holds two blocks' K and V");
+  static_assert(kSplitSlot == L::kTileK, "a SPLIT stage (2 * kTileK) holds two blocks' K and V");
   uint8_t* sQ = smem + L::kQ;
   uint8_t* sdO = smem + L::kdO;
   const uint32_t base = smem_u32(smem);
