@@ -121,18 +121,29 @@ TEST(DistSampler, StateResumesOnAnotherWorldSizeWithTheSameGlobalBatch) {
   }
 }
 
-TEST(DistCollectives, LaunchedWorldsOf2And4PassEveryCheck) {
+// World 1 is a launched job too (one rank, no subgroup check): the form that exercises the
+// NCCL backend on a single GPU (tests/gpu/test_dist_nccl_cuda.cpp).
+TEST(DistCollectives, LaunchedWorldsOf1And2And4PassEveryCheck) {
   VQAD_SKIP_WITHOUT_GLOO();
   auto dir = fresh("check");
-  for (int w : {2, 4}) {
+  for (int w : {1, 2, 4}) {
     auto r = test_dist::run_vqad("launch --nproc " + std::to_string(w) + " dist check --timeout 30",
                                  dir / ("w" + std::to_string(w) + ".log"));
     ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::string checks = w == 1 ? "20" : "21";
     for (int k = 0; k < w; ++k)
       EXPECT_TRUE(contains(r.output, "dist check: rank " + std::to_string(k) + " of " + std::to_string(w) +
-                                         " (Gloo): 21 checks passed"))
+                                         " (Gloo): " + checks + " checks passed"))
           << r.output;
   }
+  fs::remove_all(dir);
+}
+
+TEST(DistCollectives, CheckOutsideALaunchedJobIsRefused) {
+  auto dir = fresh("check_plain");
+  auto r = test_dist::run_vqad("dist check --timeout 5", dir / "plain.log");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "dist check: this process is not a rank of a launched job")) << r.output;
   fs::remove_all(dir);
 }
 

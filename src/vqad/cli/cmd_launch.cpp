@@ -47,6 +47,11 @@ namespace {
 // sequence matter). The prediction and every parameter's gradient (summed over the ranks, as
 // the trainer's reduction does) must equal the whole run's to fp32 rounding (rel-L2 <= 1e-5;
 // a missing sum, a wrong RoPE slice or a swapped exchange is off by O(1e-2) or more).
+// On CUDA, VSA_TRAIN runs the VSA kernels, which take head_dim 128 and BF16 operands: the
+// VSA model there has 128-channel heads, and its bound is 2e-3, since the fp32 linears of
+// the two runs see different row counts (W > 1) and a last-bit difference can flip one BF16
+// rounding of an attention operand (2^-8 relative on that element); a world of one computes
+// both runs identically.
 int wan_sequence_parallel_check(dist::ProcessGroup& pg) {
   const int W = pg.size();
   const auto dev = pg.device();
@@ -58,9 +63,11 @@ int wan_sequence_parallel_check(dist::ProcessGroup& pg) {
       spec.vsa.sparsity = 0.5;
     }
     ops::AttentionBackendScope backend(spec);
+    const bool bf16_kernels = vsa && dev.is_cuda();
+    const double bound = bf16_kernels ? 2e-3 : 1e-5;
     model::WanConfig c = model::WanConfig::tiny();
     c.num_attention_heads = 2 * W;
-    c.attention_head_dim = 16;
+    c.attention_head_dim = bf16_kernels ? 128 : 16;
     model::WanModelOptions mo;
     mo.device = dev;
     mo.compute_dtype = torch::kFloat32;
@@ -107,14 +114,15 @@ int wan_sequence_parallel_check(dist::ProcessGroup& pg) {
       auto sp = run(true, ckpt);
       const std::string how = std::string(vsa ? " (VSA_TRAIN" : " (dense") + (ckpt ? ", block checkpointing)" : ")");
       const double ey = rel(sp.first, whole.first);
-      VQAD_CHECK(ey <= 1e-5, "dist check: Wan forward under sequence parallelism", how,
-                 ": prediction differs from the whole-sequence run, rel-L2 ", ey);
+      VQAD_CHECK(ey <= bound, "dist check: Wan forward under sequence parallelism", how,
+                 ": prediction differs from the whole-sequence run, rel-L2 ", ey, " (bound ", bound, ")");
       for (size_t i = 0; i < sp.second.size(); ++i) {
         auto& gr = sp.second[i].second;
         pg.all_reduce(gr, dist::ReduceOp::kSum, "model check gradient " + sp.second[i].first);
         const double e = rel(gr, whole.second[i].second);
-        VQAD_CHECK(e <= 1e-5, "dist check: Wan backward under sequence parallelism", how, ": gradient of ",
-                   sp.second[i].first, " (summed over the SP ranks) differs from the whole-sequence run, rel-L2 ", e);
+        VQAD_CHECK(e <= bound, "dist check: Wan backward under sequence parallelism", how, ": gradient of ",
+                   sp.second[i].first, " (summed over the SP ranks) differs from the whole-sequence run, rel-L2 ", e,
+                   " (bound ", bound, ")");
       }
       ++checks;
     }

@@ -59,7 +59,7 @@ int run_collective_check(const CheckOptions& o) {
              "dist check --fault: expected none, exit, kill, hang or error, found '", o.fault, "'");
   VQAD_CHECK(o.elements >= 1, "dist check --elements must be >= 1");
   const auto env = launch_env();
-  VQAD_CHECK(env.distributed(), "dist check: this process is not a rank of a launched job (run it as `vqad launch "
+  VQAD_CHECK(env.launched(), "dist check: this process is not a rank of a launched job (run it as `vqad launch "
              "--nproc N dist check`, or under torchrun / srun)");
   GroupOptions go;
   go.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));

@@ -25,6 +25,9 @@ struct LaunchEnv {
   bool agent_store = false;     // the launcher hosts the store (rank 0 is a client too)
   std::string source = "none";  // torchrun | slurm | none
   bool distributed() const { return world_size > 1; }
+  // Started by a launcher (even as a world of one: `vqad launch --nproc 1 dist check` runs the
+  // collectives through a one-rank group, which is how NCCL is exercised on a single GPU).
+  bool launched() const { return source != "none"; }
 };
 
 // `get` returns the value of a variable or nullptr. Malformed or inconsistent values are a
