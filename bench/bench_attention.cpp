@@ -9,14 +9,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
 #include "vqad/core/error.h"
 #include "vqad/numerics/attention_qat_ref.h"
@@ -61,27 +60,13 @@ Shape parse_shape(const std::string& s) {
 namespace ka = vqad::kernels::attention;
 namespace ref = vqad::attn_qat_ref;
 
+// Median of the calls' CUDA-event times on the current LibTorch stream, each call
+// synchronized before the next (its host work inside its own event pair).
 template <class Fn>
 double time_ms(Fn&& fn, int warmup, int iters) {
-  cudaStream_t s = at::cuda::getCurrentCUDAStream().stream();
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t start, stop;
-  VQAD_CHECK(cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess,
-             "bench attention: cudaEventCreate failed");
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    cudaEventRecord(start, s);
-    fn();
-    cudaEventRecord(stop, s);
-    VQAD_CHECK(cudaEventSynchronize(stop) == cudaSuccess, "bench attention: cudaEventSynchronize failed");
-    float t = 0.0f;
-    cudaEventElapsedTime(&t, start, stop);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return vqad::bench::time_cuda([&](cudaStream_t) { fn(); }, at::cuda::getCurrentCUDAStream().stream(), warmup,
+                                iters, vqad::bench::TimingSync::kEachCall)
+      .median_ms;
 }
 
 // BLHD views of the launch convention (kernels/common/launch.h).
@@ -351,20 +336,16 @@ int run_attention_bench(const AttentionBenchOptions& o) {
                 cell(r, "vqad_qat_bwd_tflops").c_str(), cell(r, "vqad_prepass_ms").c_str());
     results.push_back(std::move(r));
   }
-  std::filesystem::create_directories(o.out_dir);
-  const std::string path = o.out_dir + "/bench_attention.json";
-  std::ofstream(path) << nlohmann::json{{"bench", "attention"},
-                                        {"device", prop.name},
-                                        {"sm", prop.major * 10 + prop.minor},
-                                        {"block_n", ka::kAttnQatBlockN},
-                                        {"warmup", o.warmup},
-                                        {"iters", o.iters},
-                                        {"statistic", "median"},
-                                        {"check", check},
-                                        {"results", results}}
-                             .dump(2)
-                      << "\n";
-  std::printf("wrote %s\n", path.c_str());
+  const nlohmann::json doc = {{"bench", "attention"},
+                              {"device", prop.name},
+                              {"sm", prop.major * 10 + prop.minor},
+                              {"block_n", ka::kAttnQatBlockN},
+                              {"warmup", o.warmup},
+                              {"iters", o.iters},
+                              {"statistic", "median"},
+                              {"check", check},
+                              {"results", results}};
+  std::printf("wrote %s\n", vqad::bench::write_json(o.out_dir, "bench_attention.json", doc).c_str());
   return 0;
 }
 #else

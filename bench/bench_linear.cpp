@@ -7,12 +7,11 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
 #include "vqad/core/error.h"
 #include "vqad/ops/nvfp4_linear.h"
@@ -34,28 +33,13 @@ struct LinearBenchOptions {
 };
 
 #ifdef VQAD_WITH_TORCH_CUDA
-// Median of `iters` CUDA-event-timed calls of fn after `warmup` calls, in ms.
+// Median of the calls' CUDA-event times on the current LibTorch stream, each call
+// synchronized before the next (its host work inside its own event pair).
 template <class Fn>
 double time_ms(Fn&& fn, int warmup, int iters) {
-  cudaStream_t s = at::cuda::getCurrentCUDAStream().stream();
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<double> ms;
-  cudaEvent_t start, stop;
-  VQAD_CHECK(cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess,
-             "bench linear: cudaEventCreate failed");
-  for (int i = 0; i < iters; ++i) {
-    cudaEventRecord(start, s);
-    fn();
-    cudaEventRecord(stop, s);
-    VQAD_CHECK(cudaEventSynchronize(stop) == cudaSuccess, "bench linear: cudaEventSynchronize failed");
-    float t = 0.0f;
-    cudaEventElapsedTime(&t, start, stop);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return vqad::bench::time_cuda([&](cudaStream_t) { fn(); }, at::cuda::getCurrentCUDAStream().stream(), warmup,
+                                iters, vqad::bench::TimingSync::kEachCall)
+      .median_ms;
 }
 
 // CUDA forward vs the CPU reference on a slice of rows (static activation scale so the
@@ -166,18 +150,14 @@ int run_linear_bench(const LinearBenchOptions& o) {
                 r["bf16_fp32master_fwd_bwd_ms"].get<double>(), r["ratio_fwd_bwd_vs_fp32master"].get<double>());
     results.push_back(std::move(r));
   }
-  std::filesystem::create_directories(o.out_dir);
-  const std::string path = o.out_dir + "/bench_linear.json";
-  std::ofstream(path) << nlohmann::json{{"bench", "linear"},
-                                        {"device", prop.name},
-                                        {"sm", prop.major * 10 + prop.minor},
-                                        {"warmup", o.warmup},
-                                        {"iters", o.iters},
-                                        {"statistic", "median"},
-                                        {"results", results}}
-                             .dump(2)
-                      << "\n";
-  std::printf("wrote %s\n", path.c_str());
+  const nlohmann::json doc = {{"bench", "linear"},
+                              {"device", prop.name},
+                              {"sm", prop.major * 10 + prop.minor},
+                              {"warmup", o.warmup},
+                              {"iters", o.iters},
+                              {"statistic", "median"},
+                              {"results", results}};
+  std::printf("wrote %s\n", vqad::bench::write_json(o.out_dir, "bench_linear.json", doc).c_str());
   return 0;
 }
 #else

@@ -34,7 +34,7 @@ Timing summarize(std::vector<double> samples_ms) {
 
 #ifdef VQAD_WITH_CUDA
 Timing time_cuda(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, int warmup,
-                 int iters) {
+                 int iters, TimingSync sync) {
   VQAD_CHECK(iters >= 1 && warmup >= 0, "bench::time_cuda: iters ", iters, " warmup ", warmup);
   for (int i = 0; i < warmup; ++i) fn(stream);
   std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(iters));
@@ -43,6 +43,7 @@ Timing time_cuda(const std::function<void(cudaStream_t)>& fn, cudaStream_t strea
     VQAD_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
     fn(stream);
     VQAD_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
+    if (sync == TimingSync::kEachCall) VQAD_CUDA_CHECK(cudaEventSynchronize(ev[2 * i + 1]));
   }
   VQAD_CUDA_CHECK(cudaEventSynchronize(ev.back()));
   std::vector<double> ms(iters);

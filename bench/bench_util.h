@@ -26,10 +26,15 @@ double median(std::vector<double> v);
 Timing summarize(std::vector<double> samples_ms);
 
 #ifdef VQAD_WITH_CUDA
+// When the timed calls synchronize: kAtEnd queues all of them and waits once (host
+// launch work hides behind the previous call's kernels); kEachCall waits for each
+// call before the next is queued, so a call's host work (argument checks, tensor-map
+// encoding, allocator calls) lands inside its own event pair.
+enum class TimingSync { kAtEnd, kEachCall };
 // Runs `fn(stream)` `warmup` times, then `iters` times with a CUDA event pair
-// around each launch on `stream`; one synchronization at the end. iters >= 1.
+// around each launch on `stream`. iters >= 1.
 Timing time_cuda(const std::function<void(cudaStream_t)>& fn, cudaStream_t stream, int warmup,
-                 int iters);
+                 int iters, TimingSync sync = TimingSync::kAtEnd);
 // Name, compute capability and SM count of the current device.
 nlohmann::json device_json();
 #endif

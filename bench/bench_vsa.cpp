@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bench/bench_profile.h"
+#include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
 #include "vqad/core/error.h"
 #include "vqad/numerics/vsa_ref.h"
@@ -82,27 +83,13 @@ namespace vc = vqad::ops::vsa_cuda;
 namespace kv = vqad::kernels::vsa;
 constexpr int64_t kD = kv::kVsaHeadDim;
 
+// Median of the calls' CUDA-event times on the current LibTorch stream, each call
+// synchronized before the next (its host work inside its own event pair).
 template <class Fn>
 double time_ms(Fn&& fn, int warmup, int iters) {
-  cudaStream_t s = at::cuda::getCurrentCUDAStream().stream();
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t start, stop;
-  VQAD_CHECK(cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess,
-             "bench vsa: cudaEventCreate failed");
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    cudaEventRecord(start, s);
-    fn();
-    cudaEventRecord(stop, s);
-    VQAD_CHECK(cudaEventSynchronize(stop) == cudaSuccess, "bench vsa: cudaEventSynchronize failed");
-    float t = 0.0f;
-    cudaEventElapsedTime(&t, start, stop);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
+  return vqad::bench::time_cuda([&](cudaStream_t) { fn(); }, at::cuda::getCurrentCUDAStream().stream(), warmup,
+                                iters, vqad::bench::TimingSync::kEachCall)
+      .median_ms;
 }
 
 vsa_ref::Options options_of(const Variant& v, double sparsity) {
@@ -343,22 +330,18 @@ int run_vsa_bench(const VsaBenchOptions& o) {
       dense.push_back(std::move(r));
     }
   }
-  std::filesystem::create_directories(o.out_dir);
-  const std::string path = o.out_dir + "/bench_vsa.json";
-  std::ofstream(path) << nlohmann::json{{"bench", "vsa"},
-                                        {"device", prop.name},
-                                        {"sm", prop.major * 10 + prop.minor},
-                                        {"tile_blocks", {{"C128", kv::kVsaTileBlocksC128}, {"C64", kv::kVsaTileBlocksC64}}},
-                                        {"block_tokens", kv::kVsaBlockTokens},
-                                        {"warmup", o.warmup},
-                                        {"iters", o.iters},
-                                        {"statistic", "median"},
-                                        {"check", checks},
-                                        {"results", results},
-                                        {"dense", dense}}
-                             .dump(2)
-                      << "\n";
-  std::printf("wrote %s\n", path.c_str());
+  const nlohmann::json doc = {{"bench", "vsa"},
+                              {"device", prop.name},
+                              {"sm", prop.major * 10 + prop.minor},
+                              {"tile_blocks", {{"C128", kv::kVsaTileBlocksC128}, {"C64", kv::kVsaTileBlocksC64}}},
+                              {"block_tokens", kv::kVsaBlockTokens},
+                              {"warmup", o.warmup},
+                              {"iters", o.iters},
+                              {"statistic", "median"},
+                              {"check", checks},
+                              {"results", results},
+                              {"dense", dense}};
+  std::printf("wrote %s\n", vqad::bench::write_json(o.out_dir, "bench_vsa.json", doc).c_str());
   return 0;
 }
 #else

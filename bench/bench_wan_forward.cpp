@@ -7,12 +7,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "vqad/cli/commands.h"
 #include "vqad/core/error.h"
 #include "vqad/model/wan/model.h"
@@ -114,10 +113,7 @@ int run_bench(const WanForwardBenchOptions& o) {
                       {"peak_allocated_gib", peak_gib},
                       {"param_fp32_gib", param_gib},
                       {"device", torch::cuda::device_count() > 0 ? "cuda:0" : "?"}};
-  std::filesystem::create_directories(o.out_dir);
-  const std::string path = o.out_dir + "/wan_forward.json";
-  std::ofstream(path) << j.dump(2) << "\n";
-  std::printf("wrote %s\n", path.c_str());
+  std::printf("wrote %s\n", vqad::bench::write_json(o.out_dir, "wan_forward.json", j).c_str());
   return 0;
 }
 #else
