@@ -27,6 +27,7 @@
 #include <random>
 #include <vector>
 
+#include "tests/support/float64_oracle.h"
 #include "vqad/core/error.h"
 #include "vqad/numerics/attention_qat_ref.h"
 #include "vqad/numerics/nvfp4.h"
@@ -37,22 +38,9 @@ namespace {
 namespace ref = vqad::attn_qat_ref;
 using torch::indexing::Slice;
 
-constexpr double kLog2e = 1.4426950408889634;
-
-torch::Tensor bf16v(const torch::Tensor& x) { return x.to(torch::kBFloat16).to(torch::kDouble); }
-
-// NVFP4 (unit scale) along the last dim, zero-padded to a multiple of 16.
-torch::Tensor fq_last(const torch::Tensor& x) {
-  const int64_t n = x.size(-1);
-  const int64_t padded = (n + 15) / 16 * 16;
-  auto sz = x.sizes().vec();
-  sz.back() = padded;
-  torch::Tensor f = torch::zeros(sz, torch::kFloat32);
-  f.index_put_({"...", Slice(0, n)}, x.to(torch::kFloat32));
-  f = f.contiguous();
-  vqad::nvfp4::fake_quantize(f.data_ptr<float>(), f.data_ptr<float>(), f.numel(), 1.0f);
-  return f.index({"...", Slice(0, n)}).to(torch::kDouble);
-}
+using vqad::test::bf16_f64;
+using vqad::test::kLog2e;
+using vqad::test::nvfp4_last_f64;
 
 struct Cfg {
   int block_n = 128;
@@ -70,8 +58,8 @@ Formula formula_forward(const torch::Tensor& q, const torch::Tensor& k, const to
   Formula f;
   const int64_t D = q.size(3), Lkv = k.size(1);
   auto prep = [](const torch::Tensor& x, bool quant) {
-    torch::Tensor b = bf16v(x).permute({0, 2, 1, 3});
-    return quant ? fq_last(b) : b;
+    torch::Tensor b = bf16_f64(x).permute({0, 2, 1, 3});
+    return quant ? nvfp4_last_f64(b) : b;
   };
   f.qh = prep(q, cfg.quant_qk);
   f.kh = prep(k, cfg.quant_qk);
@@ -86,19 +74,19 @@ Formula formula_forward(const torch::Tensor& q, const torch::Tensor& k, const to
     m_run.index_put_({"...", Slice(j0, j1)}, mx.expand({-1, -1, -1, j1 - j0}));
   }
   torch::Tensor p = torch::exp2(f.s - m_run);
-  torch::Tensor pq = cfg.quant_p ? fq_last(p) : p;
+  torch::Tensor pq = cfg.quant_p ? nvfp4_last_f64(p) : p;
   f.m = std::get<0>(f.s.max(-1));
   torch::Tensor w = torch::exp2(m_run - f.m.unsqueeze(-1));
-  f.l = (bf16v(p) * w).sum(-1);
-  f.o = torch::matmul(bf16v(pq) * w, f.vh) / f.l.unsqueeze(-1);
-  f.o_hp = torch::matmul(bf16v(p) * w, f.vh) / f.l.unsqueeze(-1);
+  f.l = (bf16_f64(p) * w).sum(-1);
+  f.o = torch::matmul(bf16_f64(pq) * w, f.vh) / f.l.unsqueeze(-1);
+  f.o_hp = torch::matmul(bf16_f64(p) * w, f.vh) / f.l.unsqueeze(-1);
   return f;
 }
 
 void formula_backward(Formula& f, const torch::Tensor& d_o, const Cfg& cfg) {
   const int64_t D = f.qh.size(3);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  torch::Tensor dob = bf16v(d_o).permute({0, 2, 1, 3});
+  torch::Tensor dob = bf16_f64(d_o).permute({0, 2, 1, 3});
   torch::Tensor delta = (dob * f.o_hp).sum(-1, true);
   torch::Tensor e = torch::exp2(f.s - f.m.unsqueeze(-1));
   torch::Tensor p = e / f.l.unsqueeze(-1);
@@ -110,9 +98,9 @@ void formula_backward(Formula& f, const torch::Tensor& d_o, const Cfg& cfg) {
   if (!cfg.quant_p) {
     pb = p;
   } else if (!cfg.fastvideo) {
-    pb = fq_last(e) / f.l.unsqueeze(-1);
+    pb = nvfp4_last_f64(e) / f.l.unsqueeze(-1);
   } else {
-    pb = fq_last(p);
+    pb = nvfp4_last_f64(p);
   }
   f.dv = torch::matmul(pb.transpose(-1, -2), dob);
 }

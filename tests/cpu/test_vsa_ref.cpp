@@ -26,6 +26,7 @@
 #include <set>
 #include <vector>
 
+#include "tests/support/float64_oracle.h"
 #include "vqad/core/error.h"
 #include "vqad/numerics/attention_qat_ref.h"
 #include "vqad/numerics/nvfp4.h"
@@ -37,22 +38,9 @@ namespace vr = vqad::vsa_ref;
 namespace aq = vqad::attn_qat_ref;
 using torch::indexing::Slice;
 
-constexpr double kLog2e = 1.4426950408889634;
-
-torch::Tensor bf(const torch::Tensor& x) { return x.to(torch::kBFloat16).to(torch::kDouble); }
-
-// NVFP4 (unit scale) of the last dim in 16-element blocks, zero-padded to a multiple of 16.
-torch::Tensor fq_last(const torch::Tensor& x) {
-  const int64_t n = x.size(-1);
-  const int64_t padded = (n + 15) / 16 * 16;
-  auto sz = x.sizes().vec();
-  sz.back() = padded;
-  torch::Tensor f = torch::zeros(sz, torch::kFloat32);
-  f.index_put_({"...", Slice(0, n)}, x.to(torch::kFloat32));
-  f = f.contiguous();
-  vqad::nvfp4::fake_quantize(f.data_ptr<float>(), f.data_ptr<float>(), f.numel(), 1.0f);
-  return f.index({"...", Slice(0, n)}).to(torch::kDouble);
-}
+using vqad::test::bf16_f64;
+using vqad::test::kLog2e;
+using vqad::test::nvfp4_last_f64;
 
 // A softmax scale whose fp32 c = scale * log2(e) is exactly 1/4: with grid-valued
 // (and NVFP4) operands the logits are then exact in fp32 and float64 alike, so bf16(P)
@@ -175,7 +163,7 @@ torch::Tensor fq_groups(const torch::Tensor& p, const KeyList& kl) {
       for (int64_t j = g0; j < g0 + 16; ++j) slots.push_back(j < b1 ? j : nk);
   const torch::Tensor ix = idx(slots);
   const torch::Tensor ext = torch::cat({p, torch::zeros({p.size(0), 1}, p.options())}, 1);
-  const torch::Tensor q = fq_last(ext.index_select(1, ix));
+  const torch::Tensor q = nvfp4_last_f64(ext.index_select(1, ix));
   torch::Tensor out = torch::zeros_like(ext);
   out.index_put_({Slice(), ix}, q);
   return out.index({Slice(), Slice(0, nk)});
@@ -217,17 +205,17 @@ Formula formula(const Problem& p, const Sel& sel, const FCfg& cfg) {
   const torch::Tensor cube_idx = idx(g.cube_of);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      const torch::Tensor qb = bf(bh_slice(p.q, b, h)), kb = bf(bh_slice(p.k, b, h));
-      const torch::Tensor vb = bf(bh_slice(p.v, b, h)), dob = bf(bh_slice(p.d_o, b, h));
-      const torch::Tensor fq = cfg.quantize ? fq_last(qb) : qb, fk = cfg.quantize ? fq_last(kb) : kb;
-      const torch::Tensor fv = cfg.quantize && cfg.quant_v ? fq_last(vb) : vb;
+      const torch::Tensor qb = bf16_f64(bh_slice(p.q, b, h)), kb = bf16_f64(bh_slice(p.k, b, h));
+      const torch::Tensor vb = bf16_f64(bh_slice(p.v, b, h)), dob = bf16_f64(bh_slice(p.d_o, b, h));
+      const torch::Tensor fq = cfg.quantize ? nvfp4_last_f64(qb) : qb, fk = cfg.quantize ? nvfp4_last_f64(kb) : kb;
+      const torch::Tensor fv = cfg.quantize && cfg.quant_v ? nvfp4_last_f64(vb) : vb;
       // Coarse stage with autograd (straight-through bf16 roundings).
       {
         torch::Tensor ql = qb.clone().requires_grad_(true), kl = kb.clone().requires_grad_(true);
         torch::Tensor vl = vb.clone().requires_grad_(true);
-        torch::Tensor gl = p.gate.defined() ? bf(bh_slice(p.gate, b, h)).requires_grad_(true)
+        torch::Tensor gl = p.gate.defined() ? bf16_f64(bh_slice(p.gate, b, h)).requires_grad_(true)
                                             : torch::zeros({L, D}, d64).requires_grad_(true);
-        auto ste = [](const torch::Tensor& x) { return x + (bf(x.detach()) - x.detach()); };
+        auto ste = [](const torch::Tensor& x) { return x + (bf16_f64(x.detach()) - x.detach()); };
         std::vector<torch::Tensor> qm, km, vm;
         for (int64_t cc = 0; cc < nc; ++cc) {
           const torch::Tensor mi = idx(g.members[cc]);
@@ -274,10 +262,10 @@ Formula formula(const Problem& p, const Sel& sel, const FCfg& cfg) {
         const torch::Tensor pq = qp ? fq_groups(pmat, kl) : pmat;
         const torch::Tensor mfin = run;
         const torch::Tensor w = torch::exp2(m_run - mfin.unsqueeze(1));
-        const torch::Tensor l = (bf(pmat) * w).sum(1);
+        const torch::Tensor l = (bf16_f64(pmat) * w).sum(1);
         const torch::Tensor VK = fv.index_select(0, K);
-        const torch::Tensor o = torch::matmul(bf(pq) * w, VK) / l.unsqueeze(1);
-        const torch::Tensor o_hp = torch::matmul(bf(pmat) * w, VK) / l.unsqueeze(1);
+        const torch::Tensor o = torch::matmul(bf16_f64(pq) * w, VK) / l.unsqueeze(1);
+        const torch::Tensor o_hp = torch::matmul(bf16_f64(pmat) * w, VK) / l.unsqueeze(1);
         f.o_fine.index_put_({b, R, h}, o);
         f.o_hp.index_put_({b, R, h}, o_hp);
         f.m.index_put_({b, h, R}, mfin);
@@ -295,7 +283,7 @@ Formula formula(const Problem& p, const Sel& sel, const FCfg& cfg) {
         f.dv.index({b, Slice(), h}).index_add_(0, K, torch::matmul(pb.t(), doR));
       }
     }
-  f.o = bf(f.o + f.o_fine);
+  f.o = bf16_f64(f.o + f.o_fine);
   return f;
 }
 
@@ -875,14 +863,14 @@ void check_central_differences(const FCfg& cfg, int64_t seed) {
   torch::NoGradGuard ng;
   auto d = [](const torch::Tensor& x) { return x.to(torch::kDouble); };
   auto fqd = [&](const torch::Tensor& x, bool quant) {
-    torch::Tensor b = bf(d(x));
-    return quant ? fq_last(b) : b;
+    torch::Tensor b = bf16_f64(d(x));
+    return quant ? nvfp4_last_f64(b) : b;
   };
   // Straight-through: the fine stage sees the quantized operands, the coarse stage the
   // bf16 ones; a perturbation of q moves both.
   torch::Tensor x[7] = {fqd(p.q, cfg.quantize), fqd(p.k, cfg.quantize), fqd(p.v, cfg.quantize && cfg.quant_v),
-                        bf(d(p.q)), bf(d(p.k)), bf(d(p.v)), bf(d(p.gate))};
-  const torch::Tensor dob = bf(d(p.d_o));
+                        bf16_f64(d(p.q)), bf16_f64(d(p.k)), bf16_f64(d(p.v)), bf16_f64(d(p.gate))};
+  const torch::Tensor dob = bf16_f64(d(p.d_o));
   const torch::Tensor grads[4] = {r.dq, r.dk, r.dv, r.dgate};
   const double eps = 1e-4;
   torch::manual_seed(seed + 1);

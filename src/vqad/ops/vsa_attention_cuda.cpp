@@ -200,6 +200,50 @@ torch::Tensor workspace(size_t bytes, const torch::Tensor& like) {
   return torch::empty({static_cast<int64_t>(std::max<size_t>(bytes, 256))}, like.options().dtype(torch::kUInt8));
 }
 
+// The tensors the forward saves for the backward, in one table (name, member, shape,
+// dtype): the forward allocates them from it and the backward checks them against it.
+struct SavedSpec {
+  const char* name;
+  torch::Tensor Saved::*member;
+  std::vector<int64_t> sizes;
+  torch::ScalarType type;
+};
+std::vector<SavedSpec> saved_specs(int64_t B, int64_t H, int64_t P, int64_t D, int64_t nc, int64_t topk) {
+  const torch::ScalarType bf16 = torch::kBFloat16, f32 = torch::kFloat32, i32 = torch::kInt32;
+  return {{"tiled_q", &Saved::tiled_q, {B, H, P, D}, bf16},
+          {"tiled_k", &Saved::tiled_k, {B, H, P, D}, bf16},
+          {"tiled_v", &Saved::tiled_v, {B, H, P, D}, bf16},
+          {"o_fine_hp", &Saved::o_fine_hp, {B, H, P, D}, bf16},
+          {"m", &Saved::m, {B, H, P}, f32},
+          {"l", &Saved::l, {B, H, P}, f32},
+          {"sel_index", &Saved::sel_index, {B, H, nc, topk}, i32},
+          {"sel_count", &Saved::sel_count, {B, H, nc}, i32},
+          {"q_c", &Saved::q_c, {B, H, nc, D}, f32},
+          {"k_c", &Saved::k_c, {B, H, nc, D}, f32},
+          {"v_c", &Saved::v_c, {B, H, nc, D}, f32},
+          {"probs", &Saved::probs, {B, H, nc, nc}, f32},
+          {"out_c", &Saved::out_c, {B, H, nc, D}, f32}};
+}
+
+// The kernels' pointers to the saved tensors (VsaForwardArgs: where the forward writes
+// them; VsaBackwardArgs: what the backward reads).
+template <class Args>
+void bind_saved(Args& a, const Saved& s) {
+  a.tiled_q = s.tiled_q.data_ptr();
+  a.tiled_k = s.tiled_k.data_ptr();
+  a.tiled_v = s.tiled_v.data_ptr();
+  a.o_fine_hp = s.o_fine_hp.data_ptr();
+  a.m = s.m.data_ptr<float>();
+  a.l = s.l.data_ptr<float>();
+  a.sel_index = s.sel_index.data_ptr<int32_t>();
+  a.sel_count = s.sel_count.data_ptr<int32_t>();
+  a.q_c = s.q_c.data_ptr<float>();
+  a.k_c = s.k_c.data_ptr<float>();
+  a.v_c = s.v_c.data_ptr<float>();
+  a.probs = s.probs.data_ptr<float>();
+  a.out_c = s.out_c.data_ptr<float>();
+}
+
 }  // namespace
 
 torch::Tensor forward(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
@@ -216,24 +260,11 @@ torch::Tensor forward(const torch::Tensor& q_in, const torch::Tensor& k_in, cons
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t P = tiling.padded_len, nc = tiling.num_cubes;
   const auto bf16 = q.options().dtype(torch::kBFloat16);
-  const auto f32 = q.options().dtype(torch::kFloat32);
-  const auto i32 = q.options().dtype(torch::kInt32);
 
   Saved local;
   Saved& s = saved != nullptr ? *saved : local;
-  s.tiled_q = torch::empty({B, H, P, D}, bf16);
-  s.tiled_k = torch::empty({B, H, P, D}, bf16);
-  s.tiled_v = torch::empty({B, H, P, D}, bf16);
-  s.o_fine_hp = torch::empty({B, H, P, D}, bf16);
-  s.m = torch::empty({B, H, P}, f32);
-  s.l = torch::empty({B, H, P}, f32);
-  s.sel_index = torch::empty({B, H, nc, c.topk}, i32);
-  s.sel_count = torch::empty({B, H, nc}, i32);
-  s.q_c = torch::empty({B, H, nc, D}, f32);
-  s.k_c = torch::empty({B, H, nc, D}, f32);
-  s.v_c = torch::empty({B, H, nc, D}, f32);
-  s.probs = torch::empty({B, H, nc, nc}, f32);
-  s.out_c = torch::empty({B, H, nc, D}, f32);
+  for (const SavedSpec& e : saved_specs(B, H, P, D, nc, c.topk))
+    s.*e.member = torch::empty(e.sizes, q.options().dtype(e.type));
   torch::Tensor o = torch::empty({B, L, H, D}, bf16);
   torch::Tensor ws = workspace(kv::vsa_forward_workspace_bytes(c), q);
 
@@ -243,19 +274,7 @@ torch::Tensor forward(const torch::Tensor& q_in, const torch::Tensor& k_in, cons
   a.v = raster_in(v);
   a.gate = raster_in(gate);
   a.o = raster_out(o);
-  a.tiled_q = s.tiled_q.data_ptr();
-  a.tiled_k = s.tiled_k.data_ptr();
-  a.tiled_v = s.tiled_v.data_ptr();
-  a.o_fine_hp = s.o_fine_hp.data_ptr();
-  a.m = s.m.data_ptr<float>();
-  a.l = s.l.data_ptr<float>();
-  a.sel_index = s.sel_index.data_ptr<int32_t>();
-  a.sel_count = s.sel_count.data_ptr<int32_t>();
-  a.q_c = s.q_c.data_ptr<float>();
-  a.k_c = s.k_c.data_ptr<float>();
-  a.v_c = s.v_c.data_ptr<float>();
-  a.probs = s.probs.data_ptr<float>();
-  a.out_c = s.out_c.data_ptr<float>();
+  bind_saved(a, s);
   a.workspace = ws.data_ptr();
   run_launcher("forward", context, [&] { kv::vsa_forward(c, a, stream); });
   return q_in.scalar_type() == torch::kBFloat16 ? o : o.to(q_in.scalar_type());
@@ -279,19 +298,7 @@ Grads backward(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch
   };
   const TilingTables& tables = upload_tiling(tiling, q_in.device());
   const kv::VsaConfig c = make_config(q_in, tiling, opts, tables.dev);
-  check_saved(s.tiled_q, "tiled_q", {B, H, P, D}, torch::kBFloat16);
-  check_saved(s.tiled_k, "tiled_k", {B, H, P, D}, torch::kBFloat16);
-  check_saved(s.tiled_v, "tiled_v", {B, H, P, D}, torch::kBFloat16);
-  check_saved(s.o_fine_hp, "o_fine_hp", {B, H, P, D}, torch::kBFloat16);
-  check_saved(s.m, "m", {B, H, P}, torch::kFloat32);
-  check_saved(s.l, "l", {B, H, P}, torch::kFloat32);
-  check_saved(s.sel_index, "sel_index", {B, H, nc, c.topk}, torch::kInt32);
-  check_saved(s.sel_count, "sel_count", {B, H, nc}, torch::kInt32);
-  check_saved(s.q_c, "q_c", {B, H, nc, D}, torch::kFloat32);
-  check_saved(s.k_c, "k_c", {B, H, nc, D}, torch::kFloat32);
-  check_saved(s.v_c, "v_c", {B, H, nc, D}, torch::kFloat32);
-  check_saved(s.probs, "probs", {B, H, nc, nc}, torch::kFloat32);
-  check_saved(s.out_c, "out_c", {B, H, nc, D}, torch::kFloat32);
+  for (const SavedSpec& e : saved_specs(B, H, P, D, nc, c.topk)) check_saved(s.*e.member, e.name, e.sizes, e.type);
 
   const c10::cuda::CUDAGuard guard(q_in.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(q_in.get_device()).stream();
@@ -308,19 +315,7 @@ Grads backward(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch
   kv::VsaBackwardArgs a;
   a.gate = raster_in(gate);
   a.d_o = raster_in(d_o);
-  a.tiled_q = s.tiled_q.data_ptr();
-  a.tiled_k = s.tiled_k.data_ptr();
-  a.tiled_v = s.tiled_v.data_ptr();
-  a.o_fine_hp = s.o_fine_hp.data_ptr();
-  a.m = s.m.data_ptr<float>();
-  a.l = s.l.data_ptr<float>();
-  a.sel_index = s.sel_index.data_ptr<int32_t>();
-  a.sel_count = s.sel_count.data_ptr<int32_t>();
-  a.q_c = s.q_c.data_ptr<float>();
-  a.k_c = s.k_c.data_ptr<float>();
-  a.v_c = s.v_c.data_ptr<float>();
-  a.probs = s.probs.data_ptr<float>();
-  a.out_c = s.out_c.data_ptr<float>();
+  bind_saved(a, s);
   a.dq = raster_out(g.dq);
   a.dk = raster_out(g.dk);
   a.dv = raster_out(g.dv);
