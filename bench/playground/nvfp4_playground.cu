@@ -11,10 +11,10 @@
 //             float64 reference, and the linear forward pipeline vs its CPU emulation.
 //   profile   one launch of each kernel at [31200, 8960] (for ncu).
 // Build on a GPU machine (one nvcc command):
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc \
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -I. \
 //     bench/playground/nvfp4_playground.cu src/vqad/kernels/nvfp4/nvfp4_kernels.cu \
-//     src/vqad/kernels/linear/nvfp4_linear_kernels.cu src/vqad/numerics/nvfp4.cpp \
-//     -lcublasLt -o /tmp/nvfp4_pg
+//     src/vqad/kernels/linear/nvfp4_linear_kernels.cu src/vqad/kernels/common/cublaslt.cu \
+//     src/vqad/kernels/common/device.cu src/vqad/numerics/nvfp4.cpp -lcublasLt -o /tmp/nvfp4_pg
 //   /tmp/nvfp4_pg check time linear [golden tests/data/nvfp4_golden_public.safetensors]
 // -DPG_KERNELS_ONLY leaves out the parts that need this tree's common/nvfp4_math.h
 // and the linear kernels (to time an older kernel file with the same driver: put the
@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "tests/support/device_buffers.h"
+#include "tests/support/nvfp4_cases.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/nvfp4/nvfp4_kernels.h"
 #include "vqad/numerics/nvfp4.h"
@@ -121,55 +122,13 @@ class DeviceBuffer {
 };
 
 // --- random cases (the GPU test's run_case, without gtest) ------------------------------
-enum class Dist { kNormal, kHeavy, kTiny, kHuge, kZeroBlocks, kInf, kNaN, kTies };
-const char* dist_name(Dist d) {
-  static const char* n[] = {"normal", "heavy", "tiny", "huge", "zero-blocks", "inf", "nan", "ties"};
-  return n[static_cast<int>(d)];
-}
-
+using Dist = vqad::test::Nvfp4Dist;
+using Layout = vqad::test::Nvfp4Layout;
+using vqad::test::as_input_dtype;
+using vqad::test::dist_name;
+using vqad::test::layout_name;
 std::vector<float> make_input(int64_t n, Dist dist, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> uni(1e-3f, 1.0f);
-  std::vector<float> x(n);
-  for (auto& v : x) {
-    switch (dist) {
-      case Dist::kHeavy: v = normal(rng) / uni(rng); break;
-      case Dist::kTiny: v = normal(rng) * 1e-4f; break;
-      case Dist::kHuge: v = normal(rng) * 3e4f; break;
-      default: v = normal(rng);
-    }
-  }
-  std::uniform_int_distribution<int64_t> pick(0, n - 1);
-  if (dist == Dist::kZeroBlocks) {
-    for (int64_t b = 0; b < n / 16; b += 3) {
-      for (int i = 0; i < 16; ++i) x[b * 16 + i] = (i % 5 == 0) ? -0.0f : 0.0f;
-    }
-  }
-  if (dist == Dist::kInf) {
-    for (int k = 0; k < 1 + n / 200; ++k) x[pick(rng)] = (k % 2 ? -1 : 1) * std::numeric_limits<float>::infinity();
-  }
-  if (dist == Dist::kNaN) {
-    for (int k = 0; k < 1 + n / 300; ++k) x[pick(rng)] = std::nanf("");
-  }
-  if (dist == Dist::kTies) {
-    // Blocks whose amax is 6 * 2^e (S exact with unit scale) and whose elements sit
-    // on E2M1 midpoints and grid points: every tie rule is exercised.
-    static const float pts[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 0.0f};
-    std::uniform_int_distribution<int> pe(-6, 6), pp(0, 13), ps(0, 1);
-    for (int64_t b = 0; b < n / 16; ++b) {
-      const float sc = std::ldexp(1.0f, pe(rng));
-      x[b * 16] = 6.0f * sc;
-      for (int i = 1; i < 16; ++i) x[b * 16 + i] = (ps(rng) ? -1.0f : 1.0f) * pts[pp(rng)] * sc;
-    }
-  }
-  return x;
-}
-
-enum class Layout { kDense, kRowStride, kMisaligned, kPermuted3d };
-const char* layout_name(Layout l) {
-  static const char* n[] = {"dense", "row-stride", "misaligned-stride", "permuted-3d"};
-  return n[static_cast<int>(l)];
+  return vqad::test::nvfp4_case_input(n, dist, seed);
 }
 
 struct DeviceInput {
@@ -177,62 +136,15 @@ struct DeviceInput {
   kn::TensorView view;
 };
 
+// Places logical x [rows, cols] into a poisoned device buffer with the given layout and dtype.
 DeviceInput place(const std::vector<float>& x, int64_t rows, int64_t cols, kn::DType dtype, Layout layout) {
-  const size_t es = dtype == kn::DType::kBF16 ? 2 : 4;
-  int64_t stride = cols;
-  if (layout == Layout::kRowStride) stride = cols + 32;
-  if (layout == Layout::kMisaligned) stride = cols + 2;
-  int64_t a = 1, b = rows;
-  if (layout == Layout::kPermuted3d) {
-    for (int64_t d : {3, 2}) {
-      if (rows % d == 0 && rows > d) {
-        a = d;
-        b = rows / d;
-        break;
-      }
-    }
-  }
-  std::vector<uint8_t> host(rows * stride * es, vqad::test::kPoisonByte);
+  vqad::test::Nvfp4HostLayout h = vqad::test::lay_out(x, rows, cols, dtype, layout);
   DeviceInput in;
-  in.view.dtype = dtype;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t off = layout == Layout::kPermuted3d ? ((r % b) * a + r / b) * cols : r * stride;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float v = x[r * cols + c];
-      if (dtype == kn::DType::kBF16) {
-        const uint16_t h = bf16_rne(v);
-        std::memcpy(&host[(off + c) * es], &h, 2);
-      } else {
-        std::memcpy(&host[(off + c) * es], &v, 4);
-      }
-    }
-  }
-  in.buf = std::make_unique<DeviceBuffer>(host.size());
-  in.buf->upload(host.data(), host.size());
-  if (layout == Layout::kPermuted3d) {
-    in.view.ndim = 3;
-    in.view.sizes[0] = a;
-    in.view.sizes[1] = b;
-    in.view.sizes[2] = cols;
-    in.view.strides[0] = cols;
-    in.view.strides[1] = a * cols;
-    in.view.strides[2] = 1;
-  } else {
-    in.view.ndim = 2;
-    in.view.sizes[0] = rows;
-    in.view.sizes[1] = cols;
-    in.view.strides[0] = stride;
-    in.view.strides[1] = 1;
-  }
+  in.buf = std::make_unique<DeviceBuffer>(h.bytes.size());
+  in.buf->upload(h.bytes.data(), h.bytes.size());
+  in.view = h.view;
   in.view.data = in.buf->get();
   return in;
-}
-
-std::vector<float> as_input_dtype(const std::vector<float>& x, kn::DType dtype) {
-  if (dtype == kn::DType::kF32) return x;
-  std::vector<float> r(x.size());
-  for (size_t i = 0; i < x.size(); ++i) r[i] = bf16_round(x[i]);
-  return r;
 }
 
 bool run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType out_dt, nvr::ScaleMode mode,

@@ -16,6 +16,7 @@
 
 #include "tests/support/device_buffers.h"
 #include "tests/support/metrics.h"
+#include "tests/support/nvfp4_cases.h"
 #include "vqad/core/error.h"
 #include "vqad/core/safetensors.h"
 #include "vqad/kernels/common/cuda_check.h"
@@ -68,49 +69,13 @@ void expect_sentinel(const DeviceBuffer& buf, const std::string& what) {
   ASSERT_EQ(bad, 0u) << what << ": " << bad << " bytes written past the end, the first at byte " << first;
 }
 
-enum class Dist { kNormal, kHeavy, kTiny, kHuge, kZeroBlocks, kInf, kNaN, kTies };
-const char* dist_name(Dist d) {
-  static const char* n[] = {"normal", "heavy", "tiny", "huge", "zero-blocks", "inf", "nan", "ties"};
-  return n[static_cast<int>(d)];
-}
-
+using Dist = vqad::test::Nvfp4Dist;
+using Layout = vqad::test::Nvfp4Layout;
+using vqad::test::as_input_dtype;
+using vqad::test::dist_name;
+using vqad::test::layout_name;
 std::vector<float> make_input(int64_t n, Dist dist, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> uni(1e-3f, 1.0f);
-  std::vector<float> x(n);
-  for (auto& v : x) {
-    switch (dist) {
-      case Dist::kHeavy: v = normal(rng) / uni(rng); break;
-      case Dist::kTiny: v = normal(rng) * 1e-4f; break;
-      case Dist::kHuge: v = normal(rng) * 3e4f; break;
-      default: v = normal(rng);
-    }
-  }
-  std::uniform_int_distribution<int64_t> pick(0, n - 1);
-  if (dist == Dist::kZeroBlocks) {
-    for (int64_t b = 0; b < n / 16; b += 3) {
-      for (int i = 0; i < 16; ++i) x[b * 16 + i] = (i % 5 == 0) ? -0.0f : 0.0f;
-    }
-  }
-  if (dist == Dist::kInf) {
-    for (int k = 0; k < 1 + n / 200; ++k) x[pick(rng)] = (k % 2 ? -1 : 1) * std::numeric_limits<float>::infinity();
-  }
-  if (dist == Dist::kNaN) {
-    for (int k = 0; k < 1 + n / 300; ++k) x[pick(rng)] = std::nanf("");
-  }
-  if (dist == Dist::kTies) {
-    // Blocks whose amax is 6 * 2^e (S exact with a unit scale) and whose elements sit on
-    // E2M1 midpoints and grid points: every tie rule of the E2M1 rounding is exercised.
-    static const float pts[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 0.0f};
-    std::uniform_int_distribution<int> pe(-6, 6), pp(0, 13), ps(0, 1);
-    for (int64_t b = 0; b < n / 16; ++b) {
-      const float sc = std::ldexp(1.0f, pe(rng));
-      x[b * 16] = 6.0f * sc;
-      for (int i = 1; i < 16; ++i) x[b * 16 + i] = (ps(rng) ? -1.0f : 1.0f) * pts[pp(rng)] * sc;
-    }
-  }
-  return x;
+  return vqad::test::nvfp4_case_input(n, dist, seed);
 }
 
 struct Expected {
@@ -135,74 +100,20 @@ Expected reference(const std::vector<float>& x, int64_t rows, int64_t cols, nv::
 
 bool same(float a, float b) { return (std::isnan(a) && std::isnan(b)) || bits_of(a) == bits_of(b); }
 
-// Input of a test case in its device layout: `rows` logical rows of `cols`,
-// optionally strided (row stride > cols) or with permuted leading dims.
-enum class Layout { kDense, kRowStride, kMisaligned, kPermuted3d };
-const char* layout_name(Layout l) {
-  static const char* n[] = {"dense", "row-stride", "misaligned-stride", "permuted-3d"};
-  return n[static_cast<int>(l)];
-}
-
 struct DeviceInput {
   std::unique_ptr<DeviceBuffer> buf;
   kn::TensorView view;
 };
 
-// Places logical x [rows, cols] into a device buffer with the given layout and dtype.
+// Places logical x [rows, cols] into a poisoned device buffer with the given layout and dtype.
 DeviceInput place(const std::vector<float>& x, int64_t rows, int64_t cols, kn::DType dtype, Layout layout) {
-  const size_t es = dtype == kn::DType::kBF16 ? 2 : 4;
-  int64_t stride = cols;
-  if (layout == Layout::kRowStride) stride = cols + 32;
-  if (layout == Layout::kMisaligned) stride = cols + 2;  // rows not 16-byte aligned: scalar loads
-  int64_t a = 1, b = rows;  // permuted: logical [a, b, cols] stored as [b, a, cols]
-  if (layout == Layout::kPermuted3d) {
-    for (int64_t d : {3, 2}) {
-      if (rows % d == 0 && rows > d) { a = d; b = rows / d; break; }
-    }
-  }
-  const int64_t storage = rows * stride;
-  std::vector<uint8_t> host(storage * es, kPoison);
+  vqad::test::Nvfp4HostLayout h = vqad::test::lay_out(x, rows, cols, dtype, layout);
   DeviceInput in;
-  in.view.dtype = dtype;
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t off;
-    if (layout == Layout::kPermuted3d) {
-      const int64_t i = r / b, j = r % b;  // logical [i, j]
-      off = (j * a + i) * cols;
-    } else {
-      off = r * stride;
-    }
-    for (int64_t c = 0; c < cols; ++c) {
-      const float v = x[r * cols + c];
-      if (dtype == kn::DType::kBF16) {
-        const uint16_t h = bf16_bits(v);
-        std::memcpy(&host[(off + c) * es], &h, 2);
-      } else {
-        std::memcpy(&host[(off + c) * es], &v, 4);
-      }
-    }
-  }
-  in.buf = std::make_unique<DeviceBuffer>(host.size());
-  in.buf->upload(host.data(), host.size());
-  if (layout == Layout::kPermuted3d) {
-    in.view.ndim = 3;
-    in.view.sizes[0] = a; in.view.sizes[1] = b; in.view.sizes[2] = cols;
-    in.view.strides[0] = cols; in.view.strides[1] = a * cols; in.view.strides[2] = 1;
-  } else {
-    in.view.ndim = 2;
-    in.view.sizes[0] = rows; in.view.sizes[1] = cols;
-    in.view.strides[0] = stride; in.view.strides[1] = 1;
-  }
+  in.buf = std::make_unique<DeviceBuffer>(h.bytes.size());
+  in.buf->upload(h.bytes.data(), h.bytes.size());
+  in.view = h.view;
   in.view.data = in.buf->get();
   return in;
-}
-
-// The values the kernel sees: BF16 inputs are rounded first.
-std::vector<float> as_input_dtype(const std::vector<float>& x, kn::DType dtype) {
-  if (dtype == kn::DType::kF32) return x;
-  std::vector<float> r(x.size());
-  for (size_t i = 0; i < x.size(); ++i) r[i] = bf16_value(bf16_bits(x[i]));
-  return r;
 }
 
 void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType out_dt, nv::ScaleMode mode,
