@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "tests/support/device_buffers.h"
+#include "tests/support/metrics.h"
 #include "tests/support/nvfp4_cases.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/nvfp4/nvfp4_kernels.h"
@@ -71,18 +72,9 @@ uint32_t bits_of(float f) {
   std::memcpy(&u, &f, 4);
   return u;
 }
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t bf16_rne(float f) {
-  const uint32_t u = bits_of(f);
-  if (std::isnan(f)) return 0x7FC0;
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-float bf16_to_float(uint16_t b) { return from_bits(static_cast<uint32_t>(b) << 16); }
-float bf16_round(float f) { return bf16_to_float(bf16_rne(f)); }
+using vqad::test::bf16_bits;  // round to nearest even, a NaN -> the quiet NaN 0x7FC0
+using vqad::test::bf16_value;
+float bf16_round(float f) { return bf16_value(bf16_bits(f)); }  // NaN -> the quiet NaN too
 bool same(float a, float b) { return (std::isnan(a) && std::isnan(b)) || bits_of(a) == bits_of(b); }
 
 template <typename F>
@@ -127,9 +119,7 @@ using Layout = vqad::test::Nvfp4Layout;
 using vqad::test::as_input_dtype;
 using vqad::test::dist_name;
 using vqad::test::layout_name;
-std::vector<float> make_input(int64_t n, Dist dist, uint32_t seed) {
-  return vqad::test::nvfp4_case_input(n, dist, seed);
-}
+using vqad::test::nvfp4_case_input;
 
 struct DeviceInput {
   std::unique_ptr<DeviceBuffer> buf;
@@ -154,7 +144,7 @@ bool run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
                 dist_name(dist), kn::dtype_name(in_dt), kn::dtype_name(out_dt), nvr::scale_mode_name(mode),
                 layout_name(layout), seed);
   const int before = g_failures;
-  const std::vector<float> x = as_input_dtype(make_input(rows * cols, dist, seed), in_dt);
+  const std::vector<float> x = as_input_dtype(nvfp4_case_input(rows * cols, dist, seed), in_dt);
   const float static_s_enc = nvr::encode_scale_from_amax(7.5f);
   const float s_enc = mode == nvr::ScaleMode::kUnit     ? 1.0f
                       : mode == nvr::ScaleMode::kStatic ? static_s_enc
@@ -190,10 +180,10 @@ bool run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
   if (out_dt == kn::DType::kBF16) {
     const auto got = y.download<uint16_t>(n);
     for (int64_t i = 0; i < n && bad < 3; ++i) {
-      const uint16_t want = bf16_rne(e.values[i]);
-      if (!(got[i] == want || (std::isnan(e.values[i]) && std::isnan(bf16_to_float(got[i]))))) {
-        PG_FAIL("%s: fake-quant elem %lld x=%g: got %g want %g", what, (long long)i, x[i], bf16_to_float(got[i]),
-                bf16_to_float(want));
+      const uint16_t want = bf16_bits(e.values[i]);
+      if (!(got[i] == want || (std::isnan(e.values[i]) && std::isnan(bf16_value(got[i]))))) {
+        PG_FAIL("%s: fake-quant elem %lld x=%g: got %g want %g", what, (long long)i, x[i], bf16_value(got[i]),
+                bf16_value(want));
         ++bad;
       }
     }
@@ -263,10 +253,10 @@ bool run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
       } else {
         const auto got = dq.download<uint16_t>(n);
         for (int64_t i = 0; i < n && bad < 12; ++i) {
-          const uint16_t want = bf16_rne(want_dq[i]);
-          if (!(got[i] == want || (std::isnan(want_dq[i]) && std::isnan(bf16_to_float(got[i]))))) {
+          const uint16_t want = bf16_bits(want_dq[i]);
+          if (!(got[i] == want || (std::isnan(want_dq[i]) && std::isnan(bf16_value(got[i]))))) {
             PG_FAIL("%s: dequantize bf16 (%s) elem %lld: got %g want %g", what, use_swz ? "swizzled" : "linear",
-                    (long long)i, bf16_to_float(got[i]), want_dq[i]);
+                    (long long)i, bf16_value(got[i]), want_dq[i]);
             ++bad;
           }
         }
@@ -398,7 +388,7 @@ void check_golden(const std::string& path) {
         got_y = dy.download<float>(y.size());
       } else {
         const auto h = dy.download<uint16_t>(y.size());
-        for (size_t i = 0; i < h.size(); ++i) got_y[i] = bf16_to_float(h[i]);
+        for (size_t i = 0; i < h.size(); ++i) got_y[i] = bf16_value(h[i]);
       }
       int bad = 0;
       if (dynamic) {
@@ -449,7 +439,7 @@ void big_alloc(BigCase& c, uint32_t seed) {
   parallel_for(64, [&](int64_t part) {
     std::mt19937 rng(seed + static_cast<uint32_t>(part));
     std::normal_distribution<float> nd(0.0f, 3.0f);
-    for (int64_t i = n * part / 64; i < n * (part + 1) / 64; ++i) c.xh[i] = bf16_rne(nd(rng));
+    for (int64_t i = n * part / 64; i < n * (part + 1) / 64; ++i) c.xh[i] = bf16_bits(nd(rng));
   });
   VQAD_CUDA_CHECK(cudaMalloc(&c.x, n * 2));
   VQAD_CUDA_CHECK(cudaMalloc(&c.y, n * 2));
@@ -478,7 +468,7 @@ void big_check(BigCase& c) {
   const kn::TensorView yv = kn::dense_view(c.y, kn::DType::kBF16, c.M, c.K);
   std::vector<float> xf(n);
   parallel_for(64, [&](int64_t p) {
-    for (int64_t i = n * p / 64; i < n * (p + 1) / 64; ++i) xf[i] = bf16_to_float(c.xh[i]);
+    for (int64_t i = n * p / 64; i < n * (p + 1) / 64; ++i) xf[i] = bf16_value(c.xh[i]);
   });
   float amax_cpu = 0;
   for (int64_t i = 0; i < n; ++i) amax_cpu = std::max(amax_cpu, std::fabs(xf[i]));
@@ -519,7 +509,7 @@ void big_check(BigCase& c) {
         const nvr::BlockQuant q = nvr::quantize_block(&xf[b * 16], s_enc);
         bool ok = scales[b] == q.scale_bits;
         for (int i = 0; i < 16; ++i) {
-          ok = ok && y[b * 16 + i] == bf16_rne(q.values[i]);
+          ok = ok && y[b * 16 + i] == bf16_bits(q.values[i]);
           ok = ok && ((codes[b * 8 + i / 2] >> (4 * (i & 1))) & 0xF) == q.codes[i];
         }
         swz_want[nvr::swizzled_scale_offset(b / scale_cols, b % scale_cols, scale_cols)] = q.scale_bits;
@@ -826,14 +816,14 @@ void linear_gemm_case(int64_t m, int64_t n, int64_t k, uint32_t seed, bool bias_
   std::vector<uint16_t> bias_h(n);
   std::vector<float> bias_f(n);
   for (int64_t j = 0; j < n; ++j) {
-    bias_h[j] = bf16_rne(nd(rng));
-    bias_f[j] = bf16_to_float(bias_h[j]);
+    bias_h[j] = bf16_bits(nd(rng));
+    bias_f[j] = bf16_value(bias_h[j]);
   }
   const float alpha = (1.0f / sa) * (1.0f / sb);
   const float ab_host[2] = {alpha, 0.0f};
   std::vector<uint16_t> ah(a.size()), bh(b.size());
-  for (size_t i = 0; i < a.size(); ++i) ah[i] = bf16_rne(a[i]);
-  for (size_t i = 0; i < b.size(); ++i) bh[i] = bf16_rne(b[i]);
+  for (size_t i = 0; i < a.size(); ++i) ah[i] = bf16_bits(a[i]);
+  for (size_t i = 0; i < b.size(); ++i) bh[i] = bf16_bits(b[i]);
   DeviceBuffer da(ah.size() * 2), db(bh.size() * 2), dbias_store(n * 2 + 16), dbias32(n * 4), dab(8), dd(m * n * 4),
       ws(kl::kGemmWorkspaceBytes + size_t(m) * n * 4 + 256);
   const BiasView dbias{dbias_store.get<uint16_t>() + (bias_misaligned ? 1 : 0)};
@@ -850,7 +840,7 @@ void linear_gemm_case(int64_t m, int64_t n, int64_t k, uint32_t seed, bool bias_
       got = dd.download<float>(m * n);
     } else {
       const auto h = dd.download<uint16_t>(m * n);
-      for (int64_t i = 0; i < m * n; ++i) got[i] = bf16_to_float(h[i]);
+      for (int64_t i = 0; i < m * n; ++i) got[i] = bf16_value(h[i]);
     }
     int64_t bad = 0, nan = 0, bad_cols = 0;
     double max_err = 0, max_err_nobias = 0;
@@ -992,12 +982,12 @@ void linear_forward_case(bool x_f32, int mode, bool with_bias, int64_t n) {
     dx.upload(x.data(), m * k * 4);
   } else {
     std::vector<uint16_t> xh(m * k);
-    for (int64_t i = 0; i < m * k; ++i) xh[i] = bf16_rne(x[i]);
+    for (int64_t i = 0; i < m * k; ++i) xh[i] = bf16_bits(x[i]);
     dx.upload(xh.data(), m * k * 2);
   }
   dw.upload(w.data(), n * k * 4);
   std::vector<uint16_t> bh(n);
-  for (int64_t j = 0; j < n; ++j) bh[j] = bf16_rne(bias[j]);
+  for (int64_t j = 0; j < n; ++j) bh[j] = bf16_bits(bias[j]);
   dbias.upload(bh.data(), n * 2);
   VQAD_CUDA_CHECK(cudaMemset(dscal.get(), 0, 32));
   float* s = dscal.get<float>();
@@ -1018,7 +1008,7 @@ void linear_forward_case(bool x_f32, int mode, bool with_bias, int64_t n) {
   for (float v : cpu) cmax = std::max(cmax, std::fabs(v));
   double max_err = 0;
   for (int64_t i = 0; i < m * n; ++i) {
-    const float g = bf16_to_float(yh[i]);
+    const float g = bf16_value(yh[i]);
     same_cpu += g == cpu[i];
     same_cpu64 += g == cpu64[i];
     const double tol = std::fabs(cpu[i]) * std::ldexp(1.0, -7) + 1e-5 * cmax;

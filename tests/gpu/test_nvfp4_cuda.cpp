@@ -74,9 +74,7 @@ using Layout = vqad::test::Nvfp4Layout;
 using vqad::test::as_input_dtype;
 using vqad::test::dist_name;
 using vqad::test::layout_name;
-std::vector<float> make_input(int64_t n, Dist dist, uint32_t seed) {
-  return vqad::test::nvfp4_case_input(n, dist, seed);
-}
+using vqad::test::nvfp4_case_input;
 
 struct Expected {
   std::vector<uint8_t> codes, scales, swizzled;  // codes one per element
@@ -122,7 +120,7 @@ void run_case(int64_t rows, int64_t cols, Dist dist, kn::DType in_dt, kn::DType 
                            dist_name(dist) + " " + kn::dtype_name(in_dt) + "->" + kn::dtype_name(out_dt) +
                            " " + nv::scale_mode_name(mode) + " " + layout_name(layout) + " seed " + std::to_string(seed);
   SCOPED_TRACE(what);
-  const std::vector<float> x = as_input_dtype(make_input(rows * cols, dist, seed), in_dt);
+  const std::vector<float> x = as_input_dtype(nvfp4_case_input(rows * cols, dist, seed), in_dt);
   const float static_s_enc = nv::encode_scale_from_amax(7.5f);
   const Expected e = reference(x, rows, cols, mode, static_s_enc);
   DeviceInput in = place(x, rows, cols, in_dt, layout);
