@@ -99,6 +99,11 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, int by
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Waits until every committed bulk group has finished reading its shared-memory source
+// (the source may be rewritten; the writes to global memory may still be in flight).
+__device__ __forceinline__ void bulk_wait_read_all() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
 
 // ---------------------------------------------------------------------------
 // mbarriers (transaction-counting barriers in shared memory) and TMA tile loads

@@ -4,20 +4,21 @@
 // once per 64 rows instead of once per 16 (the mma.sync kernels are bound by
 // ldmatrix traffic).
 //
-// dK/dV: CTA = 2 warpgroups x 64 keys; per query block of 64:
+// Dense (dkdvq_ws_kernel): CTA = a producer warpgroup (TMA loads, the dQ chain) and 2
+// consumer warpgroups x 64 keys; per query block of 64:
 //   S^T = K Q^T, dP^T = V dO^T   (m64n64k16, A = K/V tile, B = Q/dO tile, both K-major)
 //   P fake quantization in registers (dkdv_phase1/2, shared with mma.sync)
 //   dV += Pb^T dO, dK += dS^T Q  (m64nDk16, A from registers, B = dO/Q tile N-major)
-//   dQ_i partial = dS K_j        (dkdvq_wgmma_kernel: the warps store dS^T to shared
+//   dQ_i partial = dS K_j        (the consumer warps store dS^T to shared
 //     memory; at D = 128 warpgroup w computes head-dim half w over all 128 keys, at
 //     D = 64 all 64 columns over its own 64 keys (two parts, added by the finalize
 //     pass), m64n64k16 with A = dS^T read transposed; the fp32 partial goes to global
 //     memory by one bulk reduction per block, in a fixed order: see dq_accum_groups in
 //     attn_qat_bwd_common.cuh; dq_finalize_kernel adds the groups). 5 GEMMs.
 // The CTAs of a last partial wave are split over query ranges (dkdv_split_plan,
-// dkdv_combine_kernel). At (1,3,31200) on an H200: 10.43 ms with the tail split,
-// 10.98 ms without it, 12.08 ms with a recompute pass for dQ instead of the ordered
-// accumulation (docs/performance.md).
+// dkdv_combine_kernel). docs/performance.md has the measured forms (on an H100 at
+// (1,3,31200), consistent mode: 10.68 ms with two warpgroups that load by cp.async and
+// run the dQ chain themselves, 9.0 ms warp-specialised).
 // Visit lists (launch_wgmma_visit_kernels, the VSA fine stage): the recompute form
 // (7 GEMMs). dK/dV CTAs as above over a list of query blocks (no dQ partials), then
 // dQ CTAs of 2 warpgroups x 64 queries; per tile of 128 keys (two visited 64-row
@@ -144,18 +145,15 @@ using sm90::named_barrier_sync;
 
 using sm90::flat;
 
-constexpr int kThreads = 256;  // two warpgroups
+constexpr int kThreads = 256;  // the visit kernels: two warpgroups
 constexpr int kKeysPerCta = 128;
 constexpr int kQueryTile = 64;
 constexpr int kQueriesPerCta = 128;
-// Stages of the streamed tiles: block i+1 is loaded while block i is computed.
+// Stages of the visit bodies' streamed tiles: block i+1 is loaded while block i is computed.
 constexpr int kStages = 2;
 
 // (S, 1/S) per E4M3 scale byte in shared memory (dK/dV kernel, P quantization).
 constexpr size_t kScaleTableBytes = 128 * sizeof(float2);
-template <int D>
-constexpr size_t kDkdvSmem = 1024 /*alignment slack*/ + 2 * kKeysPerCta * D * 2 + kStages * 2 * kQueryTile * D * 2 +
-                             kStages * kQueryTile * sizeof(float4) + kScaleTableBytes;
 // With the ordered dQ: + dS^T tile (128 keys x 64 queries, bf16) + the fp32 dQ
 // partial of one query block staged for the bulk reduction: 64 x 128 at D = 128 (each
 // warpgroup one 64-column half over all 128 keys), two 64 x 64 parts at D = 64 (each
@@ -163,12 +161,31 @@ constexpr size_t kDkdvSmem = 1024 /*alignment slack*/ + 2 * kKeysPerCta * D * 2 
 constexpr size_t kDsTileBytes = kKeysPerCta * kQueryTile * 2;
 constexpr int kDqStageFloats = kQueryTile * 128;
 constexpr size_t kDqStageBytes = kDqStageFloats * sizeof(float);
-// One staging buffer of the dQ partial: the bulk reduction of block i must finish
-// before the barrier of step i + 1 (it is waited for mid-step).
+
+// The warp-specialised dense kernel (dkdvq_ws_kernel): a producer warpgroup and two
+// consumer warpgroups; Q / dO / statistics stages; registers per thread after setmaxnreg
+// (128 x 24 + 256 x 240 <= 64K).
+constexpr int kWsThreads = 384;
+constexpr int kWsStages = 2;
+constexpr int kConsumerWarpsWs = 8;
+constexpr int kWsProducerRegs = 24;
+constexpr int kWsConsumerRegs = 240;
+// Byte offsets of its shared memory from a 1024-aligned base.
 template <int D>
-constexpr size_t kDkdvqSmem = kDkdvSmem<D> + kDsTileBytes + kDqStageBytes;
-static_assert((kDkdvSmem<64> - 1024) % 1024 == 0 && (kDkdvSmem<128> - 1024) % 1024 == 0,
-              "dS^T tile must start 1024-byte aligned");
+struct WsSmem {
+  static constexpr int kTileK = kKeysPerCta * D * 2, kTileQ = kQueryTile * D * 2;
+  static constexpr int kK = 0, kV = kTileK;
+  static constexpr int kQ = 2 * kTileK;  // stage s: Q at kQ + s * 2 * kTileQ, dO after it
+  static constexpr int kSt = kQ + kWsStages * 2 * kTileQ;  // [kWsStages][64] float4
+  static constexpr int kScale = kSt + kWsStages * kQueryTile * 16;
+  static constexpr int kDs = kScale + static_cast<int>(kScaleTableBytes);  // [2][128 keys][64 queries] bf16
+  static constexpr int kDq = kDs + 2 * static_cast<int>(kDsTileBytes);     // fp32 staging of one block
+  static constexpr int kBar = kDq + static_cast<int>(kDqStageBytes);
+  // mbarriers: K/V, full[kWsStages], empty[kWsStages], dQ staged, dQ staging free
+  static constexpr int kBars = 1 + 2 * kWsStages + 2;
+  static constexpr int kBytes = kBar + 8 * kBars;
+  static_assert(kDs % 1024 == 0, "dS^T tiles: 1024-byte aligned (128-byte swizzle)");
+};
 
 // Keys per tile of the visit-list dQ kernel: two visited 64-row blocks.
 constexpr int kDqKeyTile = 2 * kQueryTile;
@@ -329,51 +346,125 @@ __device__ __forceinline__ void store_rows_scattered(const OutTensor& o, const i
   }
 }
 
-// dkdvq_wgmma_kernel: query blocks [q_begin, q_end) of key block kv_block (q_end < 0:
-// all), keys < Lkv, and the ordered dQ partials. With part_out (tail split) dK and dV go
-// there as fp32
-// [2][128 keys][D]. Q, dO and the row statistics are double-buffered by cp.async; both
-// warpgroups meet at the top of each block (the stage hand-over and the dQ staging) and
-// for the dS^T exchange.
+// dkdvq_ws_kernel: query blocks [q_begin, q_end) of key block kv_block (q_end < 0: all),
+// keys < Lkv, and the ordered dQ partials; with part_out (tail split) dK and dV go there
+// as fp32 [2][128 keys][D]. Three warpgroups. Warpgroup 0 is the producer: one thread loads K and V once and each query block's Q, dO and row
+// statistics by TMA into kWsStages mbarrier-guarded stages; a second thread runs the dQ
+// chain (waits until the consumers have staged block i's partial, waits for its turn,
+// hands the staging to the bulk engine, frees it once read, advances the turn counter
+// once the reduction is complete); the warpgroup gives its registers to the consumers
+// (setmaxnreg). Warpgroups 1 and 2 are the consumers (64 keys each): S^T, dP^T issued as
+// two groups; phase 1 (exp2 + P quantization) overlaps dP^T; dV issued; phase 2 (dS)
+// overlaps dV; dK issued; dS^T to shared memory; dQ. They meet once per block, for the
+// dS^T exchange (double-buffered, so a consumer that runs ahead never overwrites the
+// tile the other one still reads); neither waits on a global turn counter or issues a
+// load. (Against two warpgroups that did both: 16% less time, docs/performance.md.)
+
 template <AttnQatBwdPMode MODE, int D>
-__device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, int b, int h, int kv_block,
-                                          int q_begin, int q_end, float* part_out) {
+__device__ __forceinline__ void dkdv_ws_body(const KernelParams& p, const CUtensorMap* tm_q, const CUtensorMap* tm_do,
+                                             const CUtensorMap* tm_st, const CUtensorMap* tm_k,
+                                             const CUtensorMap* tm_v, uint8_t* smem, int b, int h, int kv_block,
+                                             int q_begin, int q_end, float* part_out) {
+  using L = WsSmem<D>;
   constexpr int kD = D;
-  constexpr int kTileK = kKeysPerCta * kD * 2, kTileQ = kQueryTile * kD * 2;
-  uint8_t* sK = smem;
-  uint8_t* sV = sK + kTileK;
-  uint8_t* sQ = sV + kTileK;             // [kStages][kTileQ]
-  uint8_t* sdO = sQ + kStages * kTileQ;  // [kStages][kTileQ]
-  float4* sSt = reinterpret_cast<float4*>(sdO + kStages * kTileQ);  // [kStages][kQueryTile]
-  float2* sScale = reinterpret_cast<float2*>(sSt + kStages * kQueryTile);  // [128]
-  uint8_t* sdS = reinterpret_cast<uint8_t*>(sScale + 128);       // [128 keys][64 queries] bf16
-  float4* sdQ = reinterpret_cast<float4*>(sdS + kDsTileBytes);   // fp32 staging, see below
+  constexpr uint32_t kStageTx = 2 * L::kTileQ + kQueryTile * sizeof(float4);
+  const uint32_t base = smem_u32(smem);
+  const uint32_t bar_kv = base + L::kBar;
+  const auto bar_full = [&](int st) { return base + L::kBar + 8u * (1 + st); };
+  const auto bar_empty = [&](int st) { return base + L::kBar + 8u * (1 + kWsStages + st); };
+  const uint32_t bar_dq_full = base + L::kBar + 8u * (1 + 2 * kWsStages);
+  const uint32_t bar_dq_empty = bar_dq_full + 8u;
+  float2* sScale = reinterpret_cast<float2*>(smem + L::kScale);
+  float4* sdQ = reinterpret_cast<float4*>(smem + L::kDq);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in warpgroup
-  const int g = lane >> 2, t4 = lane & 3;
+  // warp-uniform as far as ptxas can see (wgmma under a divergent branch is serialized)
+  const int wgi = __shfl_sync(0xffffffffu, warp >> 2, 0);
   const int kv0 = kv_block * kKeysPerCta;
-
-  load_tile_sw128<kKeysPerCta, kThreads, kD>(sK, p.k, b, h, kv0, p.Lkv, tid);
-  load_tile_sw128<kKeysPerCta, kThreads, kD>(sV, p.v, b, h, kv0, p.Lkv, tid);
-  const float4* st_bh = p.stats + (static_cast<int64_t>(b) * p.H + h) * p.Lq;
-  auto load_q_block = [&](int qb, int stage) {
-    const int q0 = qb * kQueryTile;
-    load_tile_sw128<kQueryTile, kThreads, kD>(sQ + stage * kTileQ, p.q, b, h, q0, p.Lq, tid);
-    load_tile_sw128<kQueryTile, kThreads, kD>(sdO + stage * kTileQ, p.dout, b, h, q0, p.Lq, tid);
-    for (int i = tid; i < kQueryTile; i += kThreads) {
-      const bool ok = q0 + i < p.Lq;
-      cp_async16(&sSt[stage * kQueryTile + i], st_bh + (ok ? q0 + i : 0), ok);
-    }
-  };
   const int nq = (p.Lq + kQueryTile - 1) / kQueryTile;
   if (q_end < 0) q_end = nq;
-  load_q_block(q_begin, 0);
-  cp_async_commit();
-  if (tid < 128) {  // visible after the first barrier of the loop
+  const int steps = q_end - q_begin;
+
+  if (tid == 0) {
+    sm90::mbar_init(bar_kv, 1);
+    for (int st = 0; st < kWsStages; ++st) {
+      sm90::mbar_init(bar_full(st), 1);
+      sm90::mbar_init(bar_empty(st), kConsumerWarpsWs);
+    }
+    sm90::mbar_init(bar_dq_full, kConsumerWarpsWs);
+    sm90::mbar_init(bar_dq_empty, 1);
+    sm90::fence_mbarrier_init();
+  }
+  if (tid < 128) {
     const float S = e4m3_value(static_cast<uint8_t>(tid));
     sScale[tid] = make_float2(S, tid == 0 ? 0.0f : __frcp_rn(S));
   }
+  __syncthreads();  // barriers and the scale table are ready; no CTA-wide barrier after this
+
+  if (wgi == 0) {
+    sm90::setmaxnreg_dec<kWsProducerRegs>();
+    if (tid == 0) {
+      // ---- loads ----
+      sm90::tma_prefetch_desc(tm_q);
+      sm90::tma_prefetch_desc(tm_do);
+      sm90::tma_prefetch_desc(tm_st);
+      sm90::mbar_arrive_expect_tx(bar_kv, 2 * L::kTileK);
+#pragma unroll
+      for (int hf = 0; hf < kD / 64; ++hf)
+#pragma unroll
+        for (int r = 0; r < kKeysPerCta; r += kQueryTile) {
+          const uint32_t off = hf * kKeysPerCta * kRowBytes + r * kRowBytes;
+          sm90::tma_load_4d(base + L::kK + off, tm_k, bar_kv, 64 * hf, kv0 + r, h, b);
+          sm90::tma_load_4d(base + L::kV + off, tm_v, bar_kv, 64 * hf, kv0 + r, h, b);
+        }
+#pragma unroll 1
+      for (int i = 0; i < steps; ++i) {
+        const int st = i % kWsStages;
+        if (i >= kWsStages) sm90::mbar_wait(bar_empty(st), ((i / kWsStages) & 1) ^ 1);
+        const int q0 = (q_begin + i) * kQueryTile;
+        const uint32_t bar = bar_full(st), dst = base + L::kQ + st * 2 * L::kTileQ;
+        sm90::mbar_arrive_expect_tx(bar, kStageTx);
+#pragma unroll
+        for (int hf = 0; hf < kD / 64; ++hf) {
+          sm90::tma_load_4d(dst + hf * kQueryTile * kRowBytes, tm_q, bar, 64 * hf, q0, h, b);
+          sm90::tma_load_4d(dst + L::kTileQ + hf * kQueryTile * kRowBytes, tm_do, bar, 64 * hf, q0, h, b);
+        }
+        sm90::tma_load_3d(base + L::kSt + st * kQueryTile * 16, tm_st, bar, 0, q0, b * p.H + h);
+      }
+    } else if (tid == 32) {
+      // ---- the ordered dQ chain of this CTA (see dq_accum_groups) ----
+      const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+      const int grp = kv_block % p.dq_groups, turn = kv_block / p.dq_groups;
+      float* dq_part = p.dq_acc + (static_cast<int64_t>(grp) * p.B * p.H + bh) * nq * kDqStageFloats;
+      int* dq_turn = p.dq_sem + (bh * p.dq_groups + grp) * nq;
+#pragma unroll 1
+      for (int i = 0; i < steps; ++i) {
+        const int qb = q_begin + i;
+        sm90::mbar_wait(bar_dq_full, i & 1);  // the consumers have staged block qb
+        sem_wait_eq(dq_turn + qb, turn);
+        float* dst = dq_part + static_cast<int64_t>(qb) * kDqStageFloats;
+        if (turn == 0)
+          bulk_store(dst, base + L::kDq, static_cast<int>(kDqStageBytes));
+        else
+          bulk_reduce_add(dst, base + L::kDq, static_cast<int>(kDqStageBytes));
+        bulk_commit();
+        sm90::bulk_wait_read_all();
+        sm90::mbar_arrive(bar_dq_empty);  // the staging may be rewritten
+        bulk_wait_all();
+        sem_advance(dq_turn + qb);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup cw owns keys [kv0 + 64 cw, kv0 + 64 cw + 64) ----
+  sm90::setmaxnreg_inc<kWsConsumerRegs>();
+  const int cw = wgi - 1, wq = warp & 3;
+  const int g = lane >> 2, t4 = lane & 3;
+  const auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(bar);
+  };
 
   float dk[kD / 8][4], dv[kD / 8][4];
 #pragma unroll
@@ -381,60 +472,33 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
-  const int key_row0 = kv0 + wg * 64 + wq * 16 + g;  // this lane's keys: key_row0, +8
-  const bool key_tail = kv0 + wg * 64 + wq * 16 + 16 > p.Lkv;
+  const int key_row0 = kv0 + cw * 64 + wq * 16 + g;  // this lane's keys: key_row0, +8
+  const bool key_tail = kv0 + cw * 64 + wq * 16 + 16 > p.Lkv;
   const bool key_ok0 = key_row0 < p.Lkv, key_ok1 = key_row0 + 8 < p.Lkv;
-  const uint32_t aK = smem_u32(sK), aV = smem_u32(sV);
+  const uint32_t aK = base + L::kK, aV = base + L::kV;
+  sm90::mbar_wait(bar_kv, 0);
 
-  // Ordered dQ: this CTA's place in the chain of its partial sum.
-  const int64_t bh = static_cast<int64_t>(b) * p.H + h;
-  const int grp = kv_block % p.dq_groups, turn = kv_block / p.dq_groups;
-  float* dq_part = p.dq_acc + (static_cast<int64_t>(grp) * p.B * p.H + bh) * nq * kDqStageFloats;
-  int* dq_turn = p.dq_sem + (bh * p.dq_groups + grp) * nq;
-  // Thread 0 hands block qb's staged partial to the bulk engine once the previous
-  // CTA of the chain is done with it, and advances the counter when it completes.
-  auto dq_issue = [&](int qb) {
-    sem_wait_eq(dq_turn + qb, turn);
-    float* dst = dq_part + static_cast<int64_t>(qb) * kDqStageFloats;
-    if (turn == 0) {
-      bulk_store(dst, smem_u32(sdQ), static_cast<int>(kDqStageBytes));
-    } else {
-      bulk_reduce_add(dst, smem_u32(sdQ), static_cast<int>(kDqStageBytes));
-    }
-    bulk_commit();
-  };
-  auto dq_complete = [&](int qb) {
-    bulk_wait_all();
-    sem_advance(dq_turn + qb);
-  };
-
-  for (int qb = q_begin; qb < q_end; ++qb) {
-    const int stage = (qb - q_begin) % kStages;
-    cp_async_wait<0>();
-    fence_proxy_async();  // cp.async data -> visible to the wgmma (async proxy)
-    __syncthreads();      // also: both warpgroups are done with block qb-1's stage
-    if (tid == 0 && qb > q_begin) dq_issue(qb - 1);  // staged at the end of step qb - 1
-    const uint32_t aQ = smem_u32(sQ + stage * kTileQ), adO = smem_u32(sdO + stage * kTileQ);
-    const float4* cSt = sSt + stage * kQueryTile;
+#pragma unroll 1
+  for (int i = 0; i < steps; ++i) {
+    const int st = i % kWsStages;
+    sm90::mbar_wait(bar_full(st), (i / kWsStages) & 1);
+    const uint32_t aQ = base + L::kQ + st * 2 * L::kTileQ, adO = aQ + L::kTileQ;
+    const float4* cSt = reinterpret_cast<const float4*>(smem + L::kSt) + st * kQueryTile;
+    uint8_t* sdS = smem + L::kDs + (i & 1) * kDsTileBytes;
 
     float s[8][4], dp[8][4];
     uint32_t ap[4][4], ads[4][4];  // BF16 A fragments of dV and dK
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
-      wgmma_m64n64k16_ss<0>(flat(s), desc_kmajor(aK, kKeysPerCta, wg * 64, kk),
-                            desc_kmajor(aQ, kQueryTile, 0, kk), kk > 0);
+      wgmma_m64n64k16_ss<0>(flat(s), desc_kmajor(aK, kKeysPerCta, cw * 64, kk), desc_kmajor(aQ, kQueryTile, 0, kk),
+                            kk > 0);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
-      wgmma_m64n64k16_ss<0>(flat(dp), desc_kmajor(aV, kKeysPerCta, wg * 64, kk),
+      wgmma_m64n64k16_ss<0>(flat(dp), desc_kmajor(aV, kKeysPerCta, cw * 64, kk),
                             desc_kmajor(adO, kQueryTile, 0, kk), kk > 0);
     wgmma_commit();
-    // Prefetch the next block into the other stage while the tensor cores run.
-    if (qb + 1 < q_end) {
-      load_q_block(qb + 1, (qb + 1 - q_begin) % kStages);
-      cp_async_commit();
-    }
     wgmma_wait<1>();  // S^T done; dP^T may still run
     fence_regs(flat(s));
 
@@ -449,9 +513,14 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
 
     dkdv_phase2<MODE>(s, dp, cSt, lane, ads);
     {
-      // dS^T of this warp's 16 keys -> the shared tile (rows = keys, 128-byte
-      // swizzled like the operand tiles), the A operand of dQ += dS K.
-      uint8_t* row = sdS + (wg * 64 + wq * 16 + g) * kRowBytes;
+      // dS^T of this warp's 16 keys -> the shared tile (rows = keys, 128-byte swizzled
+      // like the operand tiles), the A operand of dQ += dS K. The row is recomputed from
+      // the thread index here (a value kept across the loop spills at the consumers'
+      // 240 registers).
+      uint32_t tid_now;
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_now));
+      const uint32_t ct = tid_now - 128;  // = 128 cw + 32 wq + lane
+      uint8_t* row = sdS + ((ct >> 5) * 16 + ((ct >> 2) & 7)) * kRowBytes;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int off = ((j ^ g) << 4) + t4 * 4;
@@ -466,48 +535,48 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
       wgmma_m64nNk16_rs<kD, 1>(flat(dk), ads[kq], desc_nmajor(aQ, kQueryTile, kq * 16));
     wgmma_commit();
     {
-      // D = 128: dQ[64 queries x head-dim half wg] = dS (all 128 keys of the CTA) K.
-      // D = 64: dQ part wg [64 queries x 64] = dS K over the warpgroup's own 64 keys.
+      // D = 128: dQ[64 queries x head-dim half cw] = dS (all 128 keys of the CTA) K.
+      // D = 64: dQ part cw [64 queries x 64] = dS K over the warpgroup's own 64 keys.
       // A is the dS^T tile read transposed (M = queries contiguous), B the K tile (half).
-      // The reduction issued at the top of this step has had most of the step to
-      // finish; it must before the staging buffer is rewritten (after the barrier).
-      if (tid == 0 && qb > q_begin) dq_complete(qb - 1);
-      named_barrier_sync(1, kThreads);  // both warpgroups' dS^T rows are in place
+      // Staging layout (fp32, 16-byte units): [cw][n-tile j][warp][lane] holds the
+      // lane's (row g, cols 8j+2t4, +1) and (row g+8, same cols) of its warp's 16 rows
+      // (cols within half cw at D = 128, of part cw at D = 64); conflict-free stores,
+      // and dq_finalize_kernel knows the mapping. The staging is free once the dQ
+      // thread's bulk engine has read the previous block's.
+      named_barrier_sync(1, 2 * 128);  // both consumers' dS^T rows are in place
       float dq[32];
       constexpr int kDqSteps = kD == 128 ? kKeysPerCta / 16 : 64 / 16;
-      const int kk0 = kD == 128 ? 0 : wg * kDqSteps;
-      const uint32_t adS = smem_u32(sdS), aKh = aK + (kD == 128 ? wg * kKeysPerCta * kRowBytes : 0);
+      const int kk0 = kD == 128 ? 0 : cw * kDqSteps;
+      const uint32_t adS = smem_u32(sdS), aKh = aK + (kD == 128 ? cw * kKeysPerCta * kRowBytes : 0);
       wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < kDqSteps; ++i) {
-        const int kk = kk0 + i;
+      for (int j = 0; j < kDqSteps; ++j) {
+        const int kk = kk0 + j;
         wgmma_m64n64k16_ss<1, 1>(dq, gmma_desc(adS + kk * 16 * kRowBytes, kQueryTile * kRowBytes, 1024),
-                                 gmma_desc(aKh + kk * 16 * kRowBytes, kKeysPerCta * kRowBytes, 1024), i > 0);
+                                 gmma_desc(aKh + kk * 16 * kRowBytes, kKeysPerCta * kRowBytes, 1024), j > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(flat(dv));
       fence_regs(flat(dk));
       fence_regs(dq);
-      // Staging layout (fp32, 16-byte units): [wg][n-tile j][warp][lane] holds the
-      // lane's (row g, cols 8j+2t4, +1) and (row g+8, same cols) of its warp's 16
-      // rows (cols within half wg at D = 128, of part wg at D = 64); conflict-free
-      // stores, and dq_finalize_kernel knows the mapping.
+      release(bar_empty(st));  // this warp is done with block i's Q, dO and statistics
+      if (i > 0) sm90::mbar_wait(bar_dq_empty, (i - 1) & 1);
+      // (the thread's staging slot re-read from the thread index, as the dS^T row)
+      uint32_t tid_now;
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_now));
+      const uint32_t ct = tid_now - 128;  // = 128 cw + 32 wq + lane
+      float4* slot = sdQ + (ct >> 7) * 8 * 128 + (ct & 127);
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        sdQ[(wg * 8 + j) * 128 + wq * 32 + lane] =
-            make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-      fence_proxy_async();  // generic writes -> the bulk engine (after the next barrier)
+        slot[j * 128] = make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      fence_proxy_async();  // generic writes -> the bulk engine
+      release(bar_dq_full);
     }
-  }
-  __syncthreads();  // the last block's partial is staged
-  if (tid == 0) {
-    dq_issue(q_end - 1);
-    dq_complete(q_end - 1);
   }
 
   if (part_out != nullptr) {  // tail split: fp32 partials, added by dkdv_combine_kernel
-    const int r0 = wg * 64 + wq * 16 + g;
+    const int r0 = cw * 64 + wq * 16 + g;
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n) {
       const int col = n * 8 + 2 * t4;
@@ -538,7 +607,7 @@ __device__ __forceinline__ void dkdv_body(const KernelParams& p, uint8_t* smem, 
 // hands its dK, dV sums to warpgroup 0 through shared memory, which adds them to its own
 // (a fixed order) and stores the rows. Without it the tile's second warpgroup would idle
 // while the first visits the whole list.
-// (The per-step chain is written out as in dkdv_body: routed through one shared helper,
+// (The per-step chain is written out as in dkdv_ws_body: routed through one shared helper,
 // ptxas allocated both kernels' registers differently and spilled 4 - 16 bytes.)
 template <AttnQatBwdPMode MODE, bool SPLIT>
 __device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUtensorMap* tm_q,
@@ -950,12 +1019,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// dK, dV and the ordered dQ partials in one kernel. CTA order: batch*head
-// fastest, so the CTAs that run at the same time spread over every head's
+// dK, dV and the ordered dQ partials in one warp-specialised kernel (dkdv_ws_body).
+// CTA order: batch*head fastest, so the CTAs that run at the same time spread over every head's
 // chains, and a CTA's predecessor in its chain (key block - groups) always has a
 // lower index (it started earlier: no CTA waits on one that cannot run).
 template <AttnQatBwdPMode MODE, int D>
-__global__ void __launch_bounds__(kThreads, 1) dkdvq_wgmma_kernel(const KernelParams p) {
+__global__ void __launch_bounds__(kWsThreads, 1)
+    dkdvq_ws_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tm_q,
+                    const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_st,
+                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
 #ifdef VQAD_BWD_SM90A
   extern __shared__ uint8_t smem_raw[];
   const int bh_count = p.B * p.H;
@@ -973,7 +1045,10 @@ __global__ void __launch_bounds__(kThreads, 1) dkdvq_wgmma_kernel(const KernelPa
   }
   const int bh = static_cast<int>(idx % bh_count);
   const int kv_block = static_cast<int>(idx / bh_count);
-  dkdv_body<MODE, D>(p, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block, q_begin, q_end, part_out);
+  dkdv_ws_body<MODE, D>(p, &tm_q, &tm_do, &tm_st, &tm_k, &tm_v, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block,
+                        q_begin, q_end, part_out);
+#else
+  (void)tm_q, (void)tm_do, (void)tm_st, (void)tm_k, (void)tm_v;
 #endif
 }
 
@@ -1032,7 +1107,7 @@ __global__ void __launch_bounds__(256) dq_finalize_kernel(const KernelParams p, 
         acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
       }
     }
-    // Unit u = [wg][j][warp][lane] (see dkdv_body); wg is the column half at D = 128.
+    // Unit u = [wg][j][warp][lane] (see dkdv_ws_body); wg is the column half at D = 128.
     const int lane = u & 31, wq = (u >> 5) & 3, j = (u >> 7) & 7, wg = u >> 10;
     const int row = qb * kQueryTile + wq * 16 + (lane >> 2);
     const int col = wg * 64 + j * 8 + 2 * (lane & 3);
@@ -1054,6 +1129,24 @@ void set_smem(const char* op, Kernel kernel, size_t bytes, const DeviceInfo& dev
                     " bytes of shared memory per block, found ", dev.smem_optin_bytes, " on the device");
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(bytes)));
+}
+
+// TMA tensor maps of both sm_90 backward forms: 64-row boxes of Q, dO, the row
+// statistics, K and V (in that order; 64 channels, 128-byte swizzle for the BF16 views).
+void make_tensor_maps(const KernelParams& kp, const char* op, CUtensorMap (&maps)[5]) {
+  const InTensor* views[4] = {&kp.q, &kp.dout, &kp.k, &kp.v};
+  const char* names[4] = {"q", "d_out", "k", "v"};
+  const int lens[4] = {kp.Lq, kp.Lq, kp.Lkv, kp.Lkv};
+  for (int i = 0; i < 4; ++i) {
+    const InTensor& t = *views[i];
+    const std::string why = make_blhd_tensor_map(&maps[i < 2 ? i : i + 1], t.p, BlhdStrides{t.sb, t.sl, t.sh, 1},
+                                                 kp.B, lens[i], kp.H, kp.D, kQueryTile);
+    VQAD_LAUNCH_CHECK(why.empty(), op, kernel_shape_str(kp), "tensor ", names[i], ": ", why);
+  }
+  const std::string why =
+      make_f32x4_rows_tensor_map(&maps[2], kp.stats, kp.Lq, static_cast<int>(static_cast<int64_t>(kp.B) * kp.H),
+                                 kQueryTile);
+  VQAD_LAUNCH_CHECK(why.empty(), op, kernel_shape_str(kp), "workspace (row statistics): ", why);
 }
 
 }  // namespace
@@ -1082,18 +1175,22 @@ void launch_wgmma_kernels(const KernelParams& kp, AttnQatBwdPMode mode, const De
   VQAD_LAUNCH_CHECK(attn_qat_head_dim_supported(kp.D), kOp, shape(), "expected head dim 64 or 128, found ", kp.D);
   VQAD_CUDA_CHECK(cudaMemsetAsync(kp.dq_sem, 0,
                                   static_cast<size_t>(kp.dq_groups) * bh * nq * sizeof(int), stream));
+  CUtensorMap maps[5];
+  make_tensor_maps(kp, kOp, maps);
   auto run = [&](auto d) {
     constexpr int D = decltype(d)::value;
+    constexpr size_t smem = 1024 + WsSmem<D>::kBytes;
     auto launch = [&](auto kernel) {
-      set_smem(kOp, kernel, kDkdvqSmem<D>, dev, kp);
-      kernel<<<static_cast<unsigned>(ctas), kThreads, kDkdvqSmem<D>, stream>>>(kq);
+      set_smem(kOp, kernel, smem, dev, kp);
+      kernel<<<static_cast<unsigned>(ctas), kWsThreads, smem, stream>>>(kq, maps[0], maps[1], maps[2], maps[3],
+                                                                        maps[4]);
     };
     switch (mode) {
-      case AttnQatBwdPMode::kConsistent: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kConsistent, D>); break;
-      case AttnQatBwdPMode::kFastVideo: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kFastVideo, D>); break;
-      case AttnQatBwdPMode::kNone: launch(dkdvq_wgmma_kernel<AttnQatBwdPMode::kNone, D>); break;
+      case AttnQatBwdPMode::kConsistent: launch(dkdvq_ws_kernel<AttnQatBwdPMode::kConsistent, D>); break;
+      case AttnQatBwdPMode::kFastVideo: launch(dkdvq_ws_kernel<AttnQatBwdPMode::kFastVideo, D>); break;
+      case AttnQatBwdPMode::kNone: launch(dkdvq_ws_kernel<AttnQatBwdPMode::kNone, D>); break;
     }
-    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdvq_wgmma_kernel");
+    VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdvq_ws_kernel");
     if (plan.tail > 0) {
       dkdv_combine_kernel<D><<<static_cast<unsigned>(plan.tail), 256, 0, stream>>>(kq);
       VQAD_CUDA_CHECK_LAUNCH("attn_qat_bwd dkdv_combine_kernel");
@@ -1128,24 +1225,8 @@ void launch_wgmma_visit_kernels(const KernelParams& kp, const VisitLists& vl, At
   const int64_t ctas = static_cast<int64_t>(kp.B) * kp.H * (kv_tiles + q_tiles);
   VQAD_LAUNCH_CHECK(ctas <= 0x7fffffff, kVisitOp, shape(), "expected at most 2^31 - 1 CTAs, found ", ctas);
   VQAD_LAUNCH_CHECK(kp.D == kVisitD, kVisitOp, shape(), "expected head dim ", kVisitD, ", found ", kp.D);
-  // TMA tensor maps: 64-row boxes of Q, dO, K, V (64 channels, 128-byte swizzle) and of
-  // the row statistics.
   CUtensorMap maps[5];
-  const InTensor* views[4] = {&kp.q, &kp.dout, &kp.k, &kp.v};
-  const char* names[4] = {"q", "d_out", "k", "v"};
-  const int lens[4] = {kp.Lq, kp.Lq, kp.Lkv, kp.Lkv};
-  for (int i = 0; i < 4; ++i) {
-    const InTensor& t = *views[i];
-    const std::string why = make_blhd_tensor_map(&maps[i < 2 ? i : i + 1], t.p, BlhdStrides{t.sb, t.sl, t.sh, 1},
-                                                 kp.B, lens[i], kp.H, kp.D, kQueryTile);
-    VQAD_LAUNCH_CHECK(why.empty(), kVisitOp, shape(), "tensor ", names[i], ": ", why);
-  }
-  {
-    const std::string why =
-        make_f32x4_rows_tensor_map(&maps[2], kp.stats, kp.Lq, static_cast<int>(static_cast<int64_t>(kp.B) * kp.H),
-                                   kQueryTile);
-    VQAD_LAUNCH_CHECK(why.empty(), kVisitOp, shape(), "workspace (row statistics): ", why);
-  }
+  make_tensor_maps(kp, kVisitOp, maps);
   const size_t smem = kVisitSmem;
   auto launch = [&](auto kernel) {
     set_smem(kVisitOp, kernel, smem, dev, kp);
