@@ -191,6 +191,7 @@ using sm90::fast_exp2;
 using sm90::pack_bf16;
 using nvfp4_device::div6;
 using nvfp4_device::e2m1_round_nonneg;
+using nvfp4_device::e2m1_round_unsat;
 using nvfp4_device::e4m3_value;
 using nvfp4_device::e4m3x2_bytes;
 using nvfp4_device::e4m3x2_values;
@@ -215,7 +216,10 @@ using nvfp4_device::scale_reciprocal;
 // ---------------------------------------------------------------------------
 // With a table (kTable): table[b] = (S, 1/S) of the E4M3 byte b (b = 0: (0, 0)) in
 // shared memory replaces the per-column E4M3 decode and reciprocal.
-template <bool kPostMul, bool kTable = false>
+// kAddMax: the E2M1 rounding's constant by one add-max (e2m1_round_unsat, then the
+// saturation at 6), the same values as e2m1_round_nonneg in one instruction less per element
+// (the dense warp-specialised kernel; the visit-list kernels spill with it).
+template <bool kPostMul, bool kTable = false, bool kAddMax = false>
 __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const float (&post)[16],
                                                 int lane, uint32_t (&a)[4][4],
                                                 const float2* table = nullptr) {
@@ -287,8 +291,13 @@ __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const fl
       for (int e = 0; e < 2; ++e) {
         const float inv = inv_e[e];
         const float out = kPostMul ? s_e[e] * post[2 * j + e] : s_e[e];
-        y[e] = e2m1_round_nonneg(x[j][e] * inv) * out;
-        y[2 + e] = e2m1_round_nonneg(x[j][2 + e] * inv) * out;
+        if constexpr (kAddMax) {
+          y[e] = fminf(e2m1_round_unsat(x[j][e] * inv), 6.0f) * out;
+          y[2 + e] = fminf(e2m1_round_unsat(x[j][2 + e] * inv), 6.0f) * out;
+        } else {
+          y[e] = e2m1_round_nonneg(x[j][e] * inv) * out;
+          y[2 + e] = e2m1_round_nonneg(x[j][2 + e] * inv) * out;
+        }
       }
       a[k][half * 2] = pack_bf16(y[0], y[1]);
       a[k][half * 2 + 1] = pack_bf16(y[2], y[3]);
@@ -302,7 +311,7 @@ __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const fl
 //
 // Phase 1: s (raw scores) -> e = exp2(s*c - m) (consistent) or P = e/l (other
 // modes), kept for phase 2; a <- BF16 A fragments of Pb^T.
-template <AttnQatBwdPMode MODE, bool kTable = false>
+template <AttnQatBwdPMode MODE, bool kTable = false, bool kAddMax = false>
 __device__ __forceinline__ void dkdv_phase1(float (&s)[8][4], const float4* st, float c,
                                             bool key_tail, bool key_ok0, bool key_ok1, int lane,
                                             uint32_t (&a)[4][4], const float2* table = nullptr) {
@@ -330,9 +339,9 @@ __device__ __forceinline__ void dkdv_phase1(float (&s)[8][4], const float4* st, 
     }
   }
   if constexpr (MODE == AttnQatBwdPMode::kConsistent) {
-    fq_columns16x64<true, kTable>(s, inv_l, lane, a, table);
+    fq_columns16x64<true, kTable, kAddMax>(s, inv_l, lane, a, table);
   } else if constexpr (MODE == AttnQatBwdPMode::kFastVideo) {
-    fq_columns16x64<false, kTable>(s, inv_l, lane, a, table);
+    fq_columns16x64<false, kTable, kAddMax>(s, inv_l, lane, a, table);
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {

@@ -90,22 +90,27 @@ __device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const InTensor& t,
   }
 }
 
-// wgmma shared-memory matrix descriptor, 128-byte swizzle. Addresses and
-// offsets are in bytes (encoded >> 4); tiles are 1024-byte aligned, so the
-// base-offset field stays 0.
-__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return sm90::wgmma_desc_sw128(addr, lbo, sbo);
+// wgmma shared-memory matrix descriptor, 128-byte swizzle, of the operand at tile + off.
+// Addresses and offsets are in bytes (encoded >> 4); tiles are 1024-byte aligned, so the
+// base-offset field stays 0. The offset is added to the encoded start address of the tile
+// instead of the tile's address (the same bits: tile + off < 2^18 in the shared window, so
+// the 14-bit field does not carry into the LBO bits): the fields of a tile are formed once
+// and each k-step's descriptor is one add (ptxas re-derived every field per wgmma before,
+// about 7 uniform instructions each, a fifth of the consumers' instructions per block).
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t tile, uint32_t lbo, uint32_t sbo, uint32_t off = 0) {
+  const uint32_t lo = ((((tile & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16)) + (off >> 4));
+  const uint32_t hi = ((sbo >> 4) & 0x3FFF) | (1u << 30);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 // K-major operand: rows [row0, row0 + 64) (or the N rows of B), k-step kk of 16
 // head-dim columns. Rows of one 8-row core group are 128 B apart, groups 1024 B.
 __device__ __forceinline__ uint64_t desc_kmajor(uint32_t tile, int rows, int row0, int kk) {
-  return gmma_desc(tile + (kk >> 2) * rows * kRowBytes + row0 * kRowBytes + (kk & 3) * 32, 16,
-                   1024);
+  return gmma_desc(tile, 16, 1024, (kk >> 2) * rows * kRowBytes + row0 * kRowBytes + (kk & 3) * 32);
 }
 // N-major B operand (n = the D head-dim columns, k = 16 tile rows from krow0):
 // 64-column halves `rows * 128` bytes apart (LBO; D = 64 has one), 8-row groups 1024 B (SBO).
 __device__ __forceinline__ uint64_t desc_nmajor(uint32_t tile, int rows, int krow0) {
-  return gmma_desc(tile + krow0 * kRowBytes, rows * kRowBytes, 1024);
+  return gmma_desc(tile, rows * kRowBytes, 1024, krow0 * kRowBytes);
 }
 
 // wgmma, fences and bulk copies: kernels/common/sm90_ptx.cuh.
@@ -360,7 +365,7 @@ __device__ __forceinline__ void store_rows_scattered(const OutTensor& o, const i
 // tile the other one still reads); neither waits on a global turn counter or issues a
 // load. (Against two warpgroups that did both: 16% less time, docs/performance.md.)
 
-template <AttnQatBwdPMode MODE, int D>
+template <AttnQatBwdPMode MODE, int D, bool kKeyTail>
 __device__ __forceinline__ void dkdv_ws_body(const KernelParams& p, const CUtensorMap* tm_q, const CUtensorMap* tm_do,
                                              const CUtensorMap* tm_st, const CUtensorMap* tm_k,
                                              const CUtensorMap* tm_v, uint8_t* smem, int b, int h, int kv_block,
@@ -473,7 +478,8 @@ __device__ __forceinline__ void dkdv_ws_body(const KernelParams& p, const CUtens
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
 
   const int key_row0 = kv0 + cw * 64 + wq * 16 + g;  // this lane's keys: key_row0, +8
-  const bool key_tail = kv0 + cw * 64 + wq * 16 + 16 > p.Lkv;
+  // (kKeyTail: the CTA's 128 keys end past Lkv; the other CTAs' loop has no key masking)
+  const bool key_tail = kKeyTail && kv0 + cw * 64 + wq * 16 + 16 > p.Lkv;
   const bool key_ok0 = key_row0 < p.Lkv, key_ok1 = key_row0 + 8 < p.Lkv;
   const uint32_t aK = base + L::kK, aV = base + L::kV;
   sm90::mbar_wait(bar_kv, 0);
@@ -502,7 +508,7 @@ __device__ __forceinline__ void dkdv_ws_body(const KernelParams& p, const CUtens
     wgmma_wait<1>();  // S^T done; dP^T may still run
     fence_regs(flat(s));
 
-    dkdv_phase1<MODE, true>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
+    dkdv_phase1<MODE, true, true>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < 4; ++kq)
@@ -552,8 +558,8 @@ __device__ __forceinline__ void dkdv_ws_body(const KernelParams& p, const CUtens
 #pragma unroll
       for (int j = 0; j < kDqSteps; ++j) {
         const int kk = kk0 + j;
-        wgmma_m64n64k16_ss<1, 1>(dq, gmma_desc(adS + kk * 16 * kRowBytes, kQueryTile * kRowBytes, 1024),
-                                 gmma_desc(aKh + kk * 16 * kRowBytes, kKeysPerCta * kRowBytes, 1024), j > 0);
+        wgmma_m64n64k16_ss<1, 1>(dq, gmma_desc(adS, kQueryTile * kRowBytes, 1024, kk * 16 * kRowBytes),
+                                 gmma_desc(aKh, kKeysPerCta * kRowBytes, 1024, kk * 16 * kRowBytes), j > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -1045,8 +1051,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   }
   const int bh = static_cast<int>(idx % bh_count);
   const int kv_block = static_cast<int>(idx / bh_count);
-  dkdv_ws_body<MODE, D>(p, &tm_q, &tm_do, &tm_st, &tm_k, &tm_v, aligned_smem(smem_raw), bh / p.H, bh % p.H, kv_block,
-                        q_begin, q_end, part_out);
+  if ((kv_block + 1) * kKeysPerCta > p.Lkv)
+    dkdv_ws_body<MODE, D, true>(p, &tm_q, &tm_do, &tm_st, &tm_k, &tm_v, aligned_smem(smem_raw), bh / p.H, bh % p.H,
+                                kv_block, q_begin, q_end, part_out);
+  else
+    dkdv_ws_body<MODE, D, false>(p, &tm_q, &tm_do, &tm_st, &tm_k, &tm_v, aligned_smem(smem_raw), bh / p.H, bh % p.H,
+                                 kv_block, q_begin, q_end, part_out);
 #else
   (void)tm_q, (void)tm_do, (void)tm_st, (void)tm_k, (void)tm_v;
 #endif

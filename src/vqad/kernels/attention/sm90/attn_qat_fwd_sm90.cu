@@ -104,14 +104,17 @@ using sm90::smem_addr;
 // the ones block of the row-sum wgmma is K-major without swizzle (core matrices 128 B
 // apart along K, 256 B along N).
 // (Written out with constant fields rather than through sm90::wgmma_desc_sw128 /
-// wgmma_desc_plain: the same bits, but ptxas schedules the kernel differently.)
-__device__ __forceinline__ uint64_t desc_kmajor(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
-         (1ull << 62);
+// wgmma_desc_plain: the same bits, but ptxas schedules the kernel differently.) The operand
+// at tile + off is the tile's encoded start address plus off / 16 (tile + off < 2^18 in the
+// shared window: no carry into the LBO field), so a tile's fields are formed once and each
+// k-step adds its offset, instead of ptxas re-deriving every field per wgmma.
+__device__ __forceinline__ uint64_t desc_kmajor(uint32_t tile, uint32_t off = 0) {
+  const uint32_t lo = ((((tile & 0x3FFFF) >> 4) | (1u << 16)) + (off >> 4));
+  return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | lo;
 }
-__device__ __forceinline__ uint64_t desc_mn(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((kBN * 128) >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+__device__ __forceinline__ uint64_t desc_mn(uint32_t tile, uint32_t off = 0) {
+  const uint32_t lo = ((((tile & 0x3FFFF) >> 4) | (((kBN * 128) >> 4) << 16)) + (off >> 4));
+  return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | lo;
 }
 __device__ __forceinline__ uint64_t desc_ones(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
@@ -210,8 +213,8 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uin
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t koff = (kk & 3) * 32;
-    sm90::wgmma_m64n128k16_ss<0>(flat(s), desc_kmajor(a_base + (kk >> 2) * kBM * 128 + koff),
-                                 desc_kmajor(sK + (kk >> 2) * kBN * 128 + koff), kk > 0 ? 1 : 0);
+    sm90::wgmma_m64n128k16_ss<0>(flat(s), desc_kmajor(a_base, (kk >> 2) * kBM * 128 + koff),
+                                 desc_kmajor(sK, (kk >> 2) * kBN * 128 + koff), kk > 0 ? 1 : 0);
   }
   wgmma_commit();
   if constexpr (WAIT) wgmma_wait0();
@@ -230,7 +233,7 @@ __device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[
     uint32_t pa[4], qa[4];
     p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, table, pa, qa);
     wgmma_fence();
-    const uint64_t dv = desc_mn(sV + ks * 16 * 128);
+    const uint64_t dv = desc_mn(sV, ks * 16 * 128);
     sm90::wgmma_m64nNk16_rs<D, 1>(flat(acc), qa, dv);
     if constexpr (QUANT_P) sm90::wgmma_m64nNk16_rs<D, 1>(flat(acch), pa, dv);
     wgmma_m64n8k16_rs(lacc, pa, ones_desc);
