@@ -17,6 +17,20 @@ namespace vqad::kernels::sm90 {
 // ---------------------------------------------------------------------------
 // Addresses, loads, mma.sync
 // ---------------------------------------------------------------------------
+// %tid.x read by a volatile instruction: ptxas cannot hoist it or keep its value across a
+// loop, so addresses derived from it inside a loop body are recomputed there (a few integer
+// instructions) instead of held in registers that the big kernels spill.
+__device__ __forceinline__ uint32_t tid_x_here() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+// v through a volatile move, for the same purpose: what a loop body computes from it stays
+// in the body.
+__device__ __forceinline__ uint32_t opaque_here(uint32_t v) {
+  asm volatile("mov.u32 %0, %1;\n" : "=r"(v) : "r"(v));
+  return v;
+}
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

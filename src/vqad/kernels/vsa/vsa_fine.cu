@@ -435,12 +435,17 @@ __global__ void __launch_bounds__(kThreads, 2) fine_dkdv_kernel(const FineParams
   }
   __syncthreads();
   const int nvis = s_nvis;
-  const float4* st_bh = p.stats + bh * p.P;
+  // The loads' addresses are formed from the thread and (b, h) indices at each call (kept
+  // across the loop, they spill).
+  const uint32_t bh32 = static_cast<uint32_t>(bh);
   auto load_q_block = [&](int qb, int stage) {
-    const int64_t off = head_off + static_cast<int64_t>(qb) * kTileElems;
-    load_tile64(sQ + stage * kTileElems, p.q + off, tid);
-    load_tile64(sdO + stage * kTileElems, p.d_o + off, tid);
-    for (int i = tid; i < kBT; i += kThreads) cp_async16(&sSt[stage * kBT + i], st_bh + qb * kBT + i, true);
+    const int t = static_cast<int>(sm90::tid_x_here());
+    const int64_t bh_now = sm90::opaque_here(bh32);
+    const int64_t off = bh_now * p.P * kD + static_cast<int64_t>(qb) * kTileElems;  // head_off + tile
+    load_tile64(sQ + stage * kTileElems, p.q + off, t);
+    load_tile64(sdO + stage * kTileElems, p.d_o + off, t);
+    const float4* st = p.stats + bh_now * p.P + static_cast<int64_t>(qb) * kBT;
+    for (int i = t; i < kBT; i += kThreads) cp_async16(&sSt[stage * kBT + i], st + i, true);
   };
   if (nvis > 0) load_q_block(vis[0], 0);
   cp_async_commit();
@@ -456,6 +461,8 @@ __global__ void __launch_bounds__(kThreads, 2) fine_dkdv_kernel(const FineParams
   const bool key_ok0 = key0 < kvalid, key_ok1 = key0 + 8 < kvalid;
 
   for (int it = 0; it < nvis; ++it) {
+    // (warp / lane re-derived per iteration: kept across the loop they spill)
+    const int tid_h = static_cast<int>(sm90::tid_x_here()), warp_h = tid_h >> 5, lane_h = tid_h & 31;
     const int stage = it & 1;
     if (it + 1 < nvis) {
       load_q_block(vis[it + 1], stage ^ 1);
@@ -477,11 +484,11 @@ __global__ void __launch_bounds__(kThreads, 2) fine_dkdv_kernel(const FineParams
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t ak[4], av[4];
-      ldsm_x4(ak, sK + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-      ldsm_x4(av, sV + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      ldsm_x4(ak, sK + swz(warp_h * 16 + (lane_h & 15), kk * 2 + (lane_h >> 4)));
+      ldsm_x4(av, sV + swz(warp_h * 16 + (lane_h & 15), kk * 2 + (lane_h >> 4)));
 #pragma unroll
       for (int nn = 0; nn < 4; ++nn) {
-        const int off = swz(nn * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1));
+        const int off = swz(nn * 16 + (lane_h & 7) + ((lane_h >> 4) << 3), kk * 2 + ((lane_h >> 3) & 1));
         uint32_t bq[4], bd[4];
         ldsm_x4(bq, cQ + off);
         ldsm_x4(bd, cdO + off);
@@ -491,21 +498,22 @@ __global__ void __launch_bounds__(kThreads, 2) fine_dkdv_kernel(const FineParams
         mma_bf16(dp[2 * nn + 1], av, bd[2], bd[3]);
       }
     }
-    uint32_t ap_all[4][4], ads_all[4][4];
-    attn_bwd::dkdv_phase1<MODE>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap_all);
-    attn_bwd::dkdv_phase2<MODE>(s, dp, cSt, lane, ads_all);
+    uint32_t ap_all[4][4];
+    attn_bwd::dkdv_phase1<MODE>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane_h, ap_all);
 #pragma unroll
     for (int kq = 0; kq < kBT / 16; ++kq) {
+      uint32_t ads[4];  // dS^T of the group, formed here so that its s / dp die here
+      attn_bwd::dkdv_phase2_group<MODE>(s, dp, cSt, lane_h, kq, ads);
 #pragma unroll
       for (int dn = 0; dn < kD / 16; ++dn) {
-        const int off = swz(kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dn * 2 + (lane >> 4));
+        const int off = swz(kq * 16 + (lane_h & 7) + (((lane_h >> 3) & 1) << 3), dn * 2 + (lane_h >> 4));
         uint32_t bd[4], bq[4];
         ldsm_x4_trans(bd, cdO + off);
         ldsm_x4_trans(bq, cQ + off);
         mma_bf16(dv[2 * dn], ap_all[kq], bd[0], bd[1]);
         mma_bf16(dv[2 * dn + 1], ap_all[kq], bd[2], bd[3]);
-        mma_bf16(dk[2 * dn], ads_all[kq], bq[0], bq[1]);
-        mma_bf16(dk[2 * dn + 1], ads_all[kq], bq[2], bq[3]);
+        mma_bf16(dk[2 * dn], ads, bq[0], bq[1]);
+        mma_bf16(dk[2 * dn + 1], ads, bq[2], bq[3]);
       }
     }
     __syncthreads();

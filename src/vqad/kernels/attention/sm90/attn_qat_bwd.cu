@@ -141,12 +141,16 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
 
   load_tile<BN, NT, kD>(sK, p.k, b, h, kv0, p.Lkv, tid);
   load_tile<BN, NT, kD>(sV, p.v, b, h, kv0, p.Lkv, tid);
-  const float4* st_bh = p.stats + (static_cast<int64_t>(b) * p.H + h) * p.Lq;
+  // The loads' addresses are formed from the thread and block indices at each call (kept
+  // across the loop, they spill).
   auto load_q_block = [&](int qb, int stage) {
     const int q0 = qb * BQ;
-    load_tile<BQ, NT, kD>(sQ + stage * BQ * kD, p.q, b, h, q0, p.Lq, tid);
-    load_tile<BQ, NT, kD>(sdO + stage * BQ * kD, p.dout, b, h, q0, p.Lq, tid);
-    for (int i = tid; i < BQ; i += NT) {
+    const int t = static_cast<int>(sm90::tid_x_here());
+    const int b_now = static_cast<int>(sm90::opaque_here(b)), h_now = static_cast<int>(sm90::opaque_here(h));
+    load_tile<BQ, NT, kD>(sQ + stage * BQ * kD, p.q, b_now, h_now, q0, p.Lq, t);
+    load_tile<BQ, NT, kD>(sdO + stage * BQ * kD, p.dout, b_now, h_now, q0, p.Lq, t);
+    const float4* st_bh = p.stats + (static_cast<int64_t>(b_now) * p.H + h_now) * p.Lq;
+    for (int i = t; i < BQ; i += NT) {
       const bool ok = q0 + i < p.Lq;
       cp_async16(&sSt[stage * BQ + i], st_bh + (ok ? q0 + i : 0), ok);
     }
@@ -166,6 +170,8 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
   const int nq = (p.Lq + BQ - 1) / BQ;
 
   for (int qb = 0; qb < nq; ++qb) {
+    // (warp / lane re-derived per iteration: kept across the loop they spill)
+    const int tid_h = static_cast<int>(sm90::tid_x_here()), warp_h = tid_h >> 5, lane_h = tid_h & 31;
     const int stage = qb & 1;
     if (qb + 1 < nq) {
       load_q_block(qb + 1, stage ^ 1);
@@ -188,11 +194,11 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t ak[4], av[4];
-      ldsm_x4(ak, sK + swz<kD>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-      ldsm_x4(av, sV + swz<kD>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      ldsm_x4(ak, sK + swz<kD>(warp_h * 16 + (lane_h & 15), kk * 2 + (lane_h >> 4)));
+      ldsm_x4(av, sV + swz<kD>(warp_h * 16 + (lane_h & 15), kk * 2 + (lane_h >> 4)));
 #pragma unroll
       for (int nn = 0; nn < BQ / 16; ++nn) {
-        const int off = swz<kD>(nn * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1));
+        const int off = swz<kD>(nn * 16 + (lane_h & 7) + ((lane_h >> 4) << 3), kk * 2 + ((lane_h >> 3) & 1));
         uint32_t bq[4], bd[4];
         ldsm_x4(bq, cQ + off);
         ldsm_x4(bd, cdO + off);
@@ -204,18 +210,19 @@ __global__ void __launch_bounds__(NW * 32, 1) dkdv_kernel(const KernelParams p) 
     }
 
     static_assert(BQ == 64, "dkdv_phase1/2 work on 16 keys x 64 queries per warp");
-    uint32_t ap_all[4][4], ads_all[4][4];
-    dkdv_phase1<MODE>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap_all);
-    dkdv_phase2<MODE>(s, dp, cSt, lane, ads_all);
+    uint32_t ap_all[4][4];
+    dkdv_phase1<MODE>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane_h, ap_all);
 
-    // dV += Pb^T dO and dK += dS^T Q (k = queries).
+    // dV += Pb^T dO and dK += dS^T Q (k = queries); dS^T of each 16-query group is formed
+    // right before its products (dkdv_phase2_group), so that its s / dp die there.
 #pragma unroll
     for (int kq = 0; kq < BQ / 16; ++kq) {
       const uint32_t(&ap)[4] = ap_all[kq];
-      const uint32_t(&ads)[4] = ads_all[kq];
+      uint32_t ads[4];
+      dkdv_phase2_group<MODE>(s, dp, cSt, lane_h, kq, ads);
 #pragma unroll
       for (int dn = 0; dn < kD / 16; ++dn) {
-        const int off = swz<kD>(kq * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dn * 2 + (lane >> 4));
+        const int off = swz<kD>(kq * 16 + (lane_h & 7) + (((lane_h >> 3) & 1) << 3), dn * 2 + (lane_h >> 4));
         uint32_t bd[4], bq[4];
         ldsm_x4_trans(bd, cdO + off);
         ldsm_x4_trans(bq, cQ + off);

@@ -351,13 +351,17 @@ __device__ __forceinline__ void dkdv_phase1(float (&s)[8][4], const float4* st, 
   }
 }
 
-// Phase 2: dS^T = P * (dP^T - delta) as BF16 A fragments (s from phase 1).
+// Phase 2: dS^T = P * (dP^T - delta) as BF16 A fragments (s from phase 1), for the 16
+// queries of group kq (columns 2 kq and 2 kq + 1). The mma.sync kernels form each group right
+// before its dK product, so s / dp of the group die there (with all four groups formed first
+// they spill).
 template <AttnQatBwdPMode MODE>
-__device__ __forceinline__ void dkdv_phase2(const float (&s)[8][4], const float (&dp)[8][4],
-                                            const float4* st, int lane, uint32_t (&a)[4][4]) {
+__device__ __forceinline__ void dkdv_phase2_group(const float (&s)[8][4], const float (&dp)[8][4],
+                                                  const float4* st, int lane, int kq, uint32_t (&a)[4]) {
   const int t4 = lane & 3;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int jj = 0; jj < 2; ++jj) {
+    const int j = 2 * kq + jj;
     float d[4];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -366,9 +370,16 @@ __device__ __forceinline__ void dkdv_phase2(const float (&s)[8][4], const float 
       d[e] = s[j][e] * f * (dp[j][e] - r.z);
       d[2 + e] = s[j][2 + e] * f * (dp[j][2 + e] - r.z);
     }
-    a[j >> 1][(j & 1) * 2] = pack_bf16(d[0], d[1]);
-    a[j >> 1][(j & 1) * 2 + 1] = pack_bf16(d[2], d[3]);
+    a[jj * 2] = pack_bf16(d[0], d[1]);
+    a[jj * 2 + 1] = pack_bf16(d[2], d[3]);
   }
+}
+// All four groups.
+template <AttnQatBwdPMode MODE>
+__device__ __forceinline__ void dkdv_phase2(const float (&s)[8][4], const float (&dp)[8][4],
+                                            const float4* st, int lane, uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int kq = 0; kq < 4; ++kq) dkdv_phase2_group<MODE>(s, dp, st, lane, kq, a[kq]);
 }
 
 }  // namespace vqad::kernels::attn_bwd

@@ -523,8 +523,7 @@ __device__ __forceinline__ void dkdv_ws_body(const KernelParams& p, const CUtens
       // like the operand tiles), the A operand of dQ += dS K. The row is recomputed from
       // the thread index here (a value kept across the loop spills at the consumers'
       // 240 registers).
-      uint32_t tid_now;
-      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_now));
+      const uint32_t tid_now = sm90::tid_x_here();
       const uint32_t ct = tid_now - 128;  // = 128 cw + 32 wq + lane
       uint8_t* row = sdS + ((ct >> 5) * 16 + ((ct >> 2) & 7)) * kRowBytes;
 #pragma unroll
@@ -569,8 +568,7 @@ __device__ __forceinline__ void dkdv_ws_body(const KernelParams& p, const CUtens
       release(bar_empty(st));  // this warp is done with block i's Q, dO and statistics
       if (i > 0) sm90::mbar_wait(bar_dq_empty, (i - 1) & 1);
       // (the thread's staging slot re-read from the thread index, as the dS^T row)
-      uint32_t tid_now;
-      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_now));
+      const uint32_t tid_now = sm90::tid_x_here();
       const uint32_t ct = tid_now - 128;  // = 128 cw + 32 wq + lane
       float4* slot = sdQ + (ct >> 7) * 8 * 128 + (ct & 127);
 #pragma unroll
