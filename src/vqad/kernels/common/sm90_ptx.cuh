@@ -1,6 +1,6 @@
 // sm_90 PTX wrappers shared by the attention kernels (dense QAT forward and backward,
 // and the VSA kernels): shared-memory addresses, cp.async, ldmatrix, mma.sync,
-// wgmma (descriptors, fences, the m64nNk16 shapes), bulk copies / reductions,
+// wgmma (fences, the m64nNk16 shapes; descriptors in gmma_desc.h), bulk copies / reductions,
 // mbarriers and TMA tile loads, named barriers, register reallocation (setmaxnreg),
 // MUFU exp2, bf16 packing. One definition per instruction form.
 // Targets: wgmma and setmaxnreg only in the arch-specific sm_90a target
@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "vqad/kernels/common/gmma_desc.h"
 
 namespace vqad::kernels::sm90 {
 
@@ -179,18 +181,7 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // ---------------------------------------------------------------------------
 // wgmma (sm_90a)
 // ---------------------------------------------------------------------------
-// Shared-memory matrix descriptor with 128-byte swizzle: address and the leading /
-// stride byte offsets (encoded >> 4); tiles 1024-byte aligned (base offset 0).
-__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
-         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-// The same without swizzle (core matrices lbo bytes apart along K, sbo along M/N).
-__device__ __forceinline__ uint64_t wgmma_desc_plain(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
-         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32);
-}
-
+// Shared-memory matrix descriptors: kernels/common/gmma_desc.h.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>

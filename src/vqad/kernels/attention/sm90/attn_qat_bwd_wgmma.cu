@@ -90,17 +90,11 @@ __device__ __forceinline__ void load_tile_sw128(uint8_t* dst, const InTensor& t,
   }
 }
 
-// wgmma shared-memory matrix descriptor, 128-byte swizzle, of the operand at tile + off.
-// Addresses and offsets are in bytes (encoded >> 4); tiles are 1024-byte aligned, so the
-// base-offset field stays 0. The offset is added to the encoded start address of the tile
-// instead of the tile's address (the same bits: tile + off < 2^18 in the shared window, so
-// the 14-bit field does not carry into the LBO bits): the fields of a tile are formed once
-// and each k-step's descriptor is one add (ptxas re-derived every field per wgmma before,
-// about 7 uniform instructions each, a fifth of the consumers' instructions per block).
+// wgmma shared-memory matrix descriptor, 128-byte swizzle, of the operand at tile + off
+// (bytes; tiles 1024-byte aligned): gmma::desc_at, the tile's fields formed once and the
+// offset added (kernels/common/gmma_desc.h).
 __device__ __forceinline__ uint64_t gmma_desc(uint32_t tile, uint32_t lbo, uint32_t sbo, uint32_t off = 0) {
-  const uint32_t lo = ((((tile & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16)) + (off >> 4));
-  const uint32_t hi = ((sbo >> 4) & 0x3FFF) | (1u << 30);
-  return (static_cast<uint64_t>(hi) << 32) | lo;
+  return gmma::desc_at(tile, lbo, sbo, off, gmma::Swizzle::k128B);
 }
 // K-major operand: rows [row0, row0 + 64) (or the N rows of B), k-step kk of 16
 // head-dim columns. Rows of one 8-row core group are 128 B apart, groups 1024 B.

@@ -103,23 +103,15 @@ using sm90::smem_addr;
 //   MN-major (V read as B[key][channel]): the 64-channel halves are the leading offset;
 // the ones block of the row-sum wgmma is K-major without swizzle (core matrices 128 B
 // apart along K, 256 B along N).
-// (Written out with constant fields rather than through sm90::wgmma_desc_sw128 /
-// wgmma_desc_plain: the same bits, but ptxas schedules the kernel differently.) The operand
-// at tile + off is the tile's encoded start address plus off / 16 (tile + off < 2^18 in the
-// shared window: no carry into the LBO field), so a tile's fields are formed once and each
-// k-step adds its offset, instead of ptxas re-deriving every field per wgmma.
+// The operand at tile + off is gmma::desc_at (kernels/common/gmma_desc.h): the tile's fields
+// formed once and each k-step's offset added.
 __device__ __forceinline__ uint64_t desc_kmajor(uint32_t tile, uint32_t off = 0) {
-  const uint32_t lo = ((((tile & 0x3FFFF) >> 4) | (1u << 16)) + (off >> 4));
-  return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | lo;
+  return gmma::desc_at(tile, 16, 1024, off, gmma::Swizzle::k128B);
 }
 __device__ __forceinline__ uint64_t desc_mn(uint32_t tile, uint32_t off = 0) {
-  const uint32_t lo = ((((tile & 0x3FFFF) >> 4) | (((kBN * 128) >> 4) << 16)) + (off >> 4));
-  return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | lo;
+  return gmma::desc_at(tile, kBN * 128, 1024, off, gmma::Swizzle::k128B);
 }
-__device__ __forceinline__ uint64_t desc_ones(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
-         (static_cast<uint64_t>(256 >> 4) << 32);
-}
+__device__ __forceinline__ uint64_t desc_ones(uint32_t addr) { return gmma::desc(addr, 128, 256, gmma::Swizzle::kNone); }
 
 using sm90::fence_proxy_async;
 using sm90::flat;
