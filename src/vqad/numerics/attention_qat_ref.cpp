@@ -101,6 +101,60 @@ void fake_quantize_p_row(const float* x, float* y, int64_t n) {
   if (n > full) nvfp4::fake_quantize_partial_block(x + full, y + full, static_cast<int>(n - full), 1.0f);
 }
 
+namespace {
+
+// Scratch of one row of the forward: the tile's logits, P, P^ and the two accumulators.
+struct RowScratch {
+  std::vector<float> s, p, pq, acc, acch;
+  RowScratch(int block_n, int64_t D) : s(block_n), p(block_n), pq(block_n), acc(D), acch(D) {}
+};
+
+// One query row qi over the KV tiles [j_begin, j_end) (j_begin a multiple of block_n; a
+// tile ends at block_n keys or at j_end), continuing the running max m, l and the
+// accumulators in w (not normalised): the recurrence of spec/attention.md.
+void forward_row_tiles(const float* qi, const float* K, const float* V, int64_t D, int64_t j_begin,
+                       int64_t j_end, const Options& opts, float c, float& m, float& l, RowScratch& w) {
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += opts.block_n) {
+    const int64_t n = std::min<int64_t>(opts.block_n, j_end - j0);
+    float tile_max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) {
+      w.s[t] = dot(qi, K + (j0 + t) * D, D) * c;
+      tile_max = std::max(tile_max, w.s[t]);
+    }
+    const float m_new = std::max(m, tile_max);
+    const float alpha = std::exp2(m - m_new);  // 0 on the first tile (m = -inf)
+    for (int64_t t = 0; t < n; ++t) w.p[t] = std::exp2(w.s[t] - m_new);
+    // j0 is a multiple of 16, so the row's 16-key groups are tile-local.
+    if (opts.quant_p) {
+      fake_quantize_p_row(w.p.data(), w.pq.data(), n);
+    } else {
+      std::copy(w.p.begin(), w.p.begin() + n, w.pq.begin());
+    }
+    float tile_sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) tile_sum += bf16_round(w.p[t]);
+    l = l * alpha + tile_sum;
+    for (int64_t d = 0; d < D; ++d) {
+      w.acc[d] *= alpha;
+      w.acch[d] *= alpha;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vj = V + (j0 + t) * D;
+      axpy(bf16_round(w.pq[t]), vj, w.acc.data(), D);
+      axpy(bf16_round(w.p[t]), vj, w.acch.data(), D);
+    }
+    m = m_new;
+  }
+}
+
+void check_key_range(const Dims& dims, const Options& opts, int64_t key_begin, int64_t key_end, const char* what) {
+  VQAD_CHECK(key_begin >= 0 && key_begin % opts.block_n == 0 && key_begin < key_end && key_end <= dims.len_kv &&
+                 (key_end % opts.block_n == 0 || key_end == dims.len_kv),
+             what, ": expected a key range [begin, end) of whole BLOCK_N = ", opts.block_n, " tiles within len_kv ",
+             dims.len_kv, ", found [", key_begin, ", ", key_end, ")");
+}
+
+}  // namespace
+
 void forward(const Dims& dims, ConstView q, ConstView k, ConstView v, const Options& opts,
              View o, View o_hp, float* m_out, float* l_out) {
   static const char* kWhat = "attention_qat_ref::forward";
@@ -123,42 +177,139 @@ void forward(const Dims& dims, ConstView q, ConstView k, ConstView v, const Opti
     const int64_t b = bh / H, h = bh % H;
     const float* K = kh.data() + bh * Lkv * D;
     const float* V = vh.data() + bh * Lkv * D;
-    std::vector<float> s(opts.block_n), p(opts.block_n), pq(opts.block_n), acc(D), acch(D);
+    RowScratch w(opts.block_n, D);
     for (int64_t i = i0; i < std::min(Lq, i0 + kRowsPerTask); ++i) {
       const float* qi = qh.data() + (bh * Lq + i) * D;
       float m = -std::numeric_limits<float>::infinity();
       float l = 0.0f;
+      std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+      std::fill(w.acch.begin(), w.acch.end(), 0.0f);
+      forward_row_tiles(qi, K, V, D, 0, Lkv, opts, c, m, l, w);
+      float* orow = o.row(b, i, h);
+      for (int64_t d = 0; d < D; ++d) orow[d] = w.acc[d] / l;
+      if (o_hp.data != nullptr) {
+        float* hrow = o_hp.row(b, i, h);
+        for (int64_t d = 0; d < D; ++d) hrow[d] = w.acch[d] / l;
+      }
+      if (m_out != nullptr) m_out[bh * Lq + i] = m;
+      if (l_out != nullptr) l_out[bh * Lq + i] = l;
+    }
+  });
+}
+
+std::vector<float> forward_prefix_max(const Dims& dims, ConstView q, ConstView k, const Options& opts,
+                                      int64_t key_end) {
+  static const char* kWhat = "attention_qat_ref::forward_prefix_max";
+  check_dims(dims, opts, kWhat);
+  check_view(q, kWhat, "q");
+  check_view(k, kWhat, "k");
+  VQAD_CHECK(key_end >= 0 && key_end <= dims.len_kv && (key_end % opts.block_n == 0 || key_end == dims.len_kv),
+             kWhat, ": expected key_end a multiple of BLOCK_N = ", opts.block_n, " or len_kv ", dims.len_kv,
+             ", found ", key_end);
+  const int threads = resolve_threads(opts.num_threads);
+  const int64_t D = dims.head_dim, Lq = dims.len_q, Lkv = dims.len_kv, H = dims.heads;
+  const float c = softmax_scale(dims, opts) * kLog2e;
+  const std::vector<float> qh = prepare_operand(dims, q, Lq, opts.quant_qk, threads);
+  const std::vector<float> kh = prepare_operand(dims, k, Lkv, opts.quant_qk, threads);
+  std::vector<float> m(static_cast<size_t>(dims.batch * H * Lq), -std::numeric_limits<float>::infinity());
+  parallel_for(dims.batch * H, threads, [&](int64_t bh) {
+    const float* K = kh.data() + bh * Lkv * D;
+    for (int64_t i = 0; i < Lq; ++i) {
+      const float* qi = qh.data() + (bh * Lq + i) * D;
+      float mi = -std::numeric_limits<float>::infinity();
+      // Tile by tile as the recurrence forms it (max is exact: the grouping does not matter).
+      for (int64_t j0 = 0; j0 < key_end; j0 += opts.block_n) {
+        float tile_max = -std::numeric_limits<float>::infinity();
+        for (int64_t t = j0; t < std::min<int64_t>(key_end, j0 + opts.block_n); ++t)
+          tile_max = std::max(tile_max, dot(qi, K + t * D, D) * c);
+        mi = std::max(mi, tile_max);
+      }
+      m[static_cast<size_t>(bh * Lq + i)] = mi;
+    }
+  });
+  return m;
+}
+
+ForwardPart forward_part(const Dims& dims, ConstView q, ConstView k, ConstView v, const Options& opts,
+                         int64_t key_begin, int64_t key_end, const std::vector<float>& m0) {
+  static const char* kWhat = "attention_qat_ref::forward_part";
+  check_dims(dims, opts, kWhat);
+  check_view(q, kWhat, "q");
+  check_view(k, kWhat, "k");
+  check_view(v, kWhat, "v");
+  check_key_range(dims, opts, key_begin, key_end, kWhat);
+  const int64_t D = dims.head_dim, Lq = dims.len_q, Lkv = dims.len_kv, H = dims.heads;
+  const size_t rows = static_cast<size_t>(dims.batch * H * Lq);
+  VQAD_CHECK(m0.size() == rows, kWhat, ": expected a starting running max per row (", rows, " values), found ",
+             m0.size());
+  const int threads = resolve_threads(opts.num_threads);
+  const float c = softmax_scale(dims, opts) * kLog2e;
+  const std::vector<float> qh = prepare_operand(dims, q, Lq, opts.quant_qk, threads);
+  const std::vector<float> kh = prepare_operand(dims, k, Lkv, opts.quant_qk, threads);
+  const std::vector<float> vh = prepare_operand(dims, v, Lkv, opts.quant_v, threads);
+  ForwardPart part;
+  part.key_begin = key_begin;
+  part.key_end = key_end;
+  part.acc.assign(rows * D, 0.0f);
+  part.acch.assign(rows * D, 0.0f);
+  part.m.assign(rows, 0.0f);
+  part.l.assign(rows, 0.0f);
+  const int64_t row_tasks = (Lq + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_for(dims.batch * H * row_tasks, threads, [&](int64_t task) {
+    const int64_t bh = task / row_tasks, i0 = (task % row_tasks) * kRowsPerTask;
+    const float* K = kh.data() + bh * Lkv * D;
+    const float* V = vh.data() + bh * Lkv * D;
+    RowScratch w(opts.block_n, D);
+    for (int64_t i = i0; i < std::min(Lq, i0 + kRowsPerTask); ++i) {
+      const size_t r = static_cast<size_t>(bh * Lq + i);
+      float m = m0[r], l = 0.0f;
+      std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+      std::fill(w.acch.begin(), w.acch.end(), 0.0f);
+      forward_row_tiles(qh.data() + r * D, K, V, D, key_begin, key_end, opts, c, m, l, w);
+      std::copy(w.acc.begin(), w.acc.end(), part.acc.begin() + static_cast<int64_t>(r * D));
+      std::copy(w.acch.begin(), w.acch.end(), part.acch.begin() + static_cast<int64_t>(r * D));
+      part.m[r] = m;
+      part.l[r] = l;
+    }
+  });
+  return part;
+}
+
+void forward_combine(const Dims& dims, const std::vector<ForwardPart>& parts, View o, View o_hp, float* m_out,
+                     float* l_out) {
+  static const char* kWhat = "attention_qat_ref::forward_combine";
+  VQAD_CHECK(o.data != nullptr, kWhat, ": output o is null");
+  VQAD_CHECK(!parts.empty(), kWhat, ": expected at least one part");
+  const int64_t D = dims.head_dim, Lq = dims.len_q, H = dims.heads;
+  const size_t rows = static_cast<size_t>(dims.batch * H * Lq);
+  int64_t next = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    VQAD_CHECK(parts[p].key_begin == next && parts[p].key_end > next, kWhat, ": part ", p, " covers keys [",
+               parts[p].key_begin, ", ", parts[p].key_end, "), expected it to start at ", next,
+               " (the parts in order, covering [0, len_kv))");
+    VQAD_CHECK(parts[p].acc.size() == rows * D && parts[p].acch.size() == rows * D && parts[p].m.size() == rows &&
+                   parts[p].l.size() == rows,
+               kWhat, ": part ", p, " holds ", parts[p].m.size(), " rows, expected ", rows);
+    next = parts[p].key_end;
+  }
+  VQAD_CHECK(next == dims.len_kv, kWhat, ": the parts end at key ", next, ", expected len_kv ", dims.len_kv);
+  std::vector<float> acc(D), acch(D);
+  for (int64_t bh = 0; bh < dims.batch * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    for (int64_t i = 0; i < Lq; ++i) {
+      const size_t r = static_cast<size_t>(bh * Lq + i);
+      float m = -std::numeric_limits<float>::infinity();
+      for (const ForwardPart& part : parts) m = std::max(m, part.m[r]);
+      float l = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(acch.begin(), acch.end(), 0.0f);
-      for (int64_t j0 = 0; j0 < Lkv; j0 += opts.block_n) {
-        const int64_t n = std::min<int64_t>(opts.block_n, Lkv - j0);
-        float tile_max = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = dot(qi, K + (j0 + t) * D, D) * c;
-          tile_max = std::max(tile_max, s[t]);
-        }
-        const float m_new = std::max(m, tile_max);
-        const float alpha = std::exp2(m - m_new);  // 0 on the first tile (m = -inf)
-        for (int64_t t = 0; t < n; ++t) p[t] = std::exp2(s[t] - m_new);
-        // j0 is a multiple of 16, so the row's 16-key groups are tile-local.
-        if (opts.quant_p) {
-          fake_quantize_p_row(p.data(), pq.data(), n);
-        } else {
-          std::copy(p.begin(), p.begin() + n, pq.begin());
-        }
-        float tile_sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) tile_sum += bf16_round(p[t]);
-        l = l * alpha + tile_sum;
+      for (const ForwardPart& part : parts) {  // in key order: a fixed order of the sums
+        const float scale = std::exp2(part.m[r] - m);
+        l += part.l[r] * scale;
         for (int64_t d = 0; d < D; ++d) {
-          acc[d] *= alpha;
-          acch[d] *= alpha;
+          acc[d] += part.acc[r * D + d] * scale;
+          acch[d] += part.acch[r * D + d] * scale;
         }
-        for (int64_t t = 0; t < n; ++t) {
-          const float* vj = V + (j0 + t) * D;
-          axpy(bf16_round(pq[t]), vj, acc.data(), D);
-          axpy(bf16_round(p[t]), vj, acch.data(), D);
-        }
-        m = m_new;
       }
       float* orow = o.row(b, i, h);
       for (int64_t d = 0; d < D; ++d) orow[d] = acc[d] / l;
@@ -166,10 +317,10 @@ void forward(const Dims& dims, ConstView q, ConstView k, ConstView v, const Opti
         float* hrow = o_hp.row(b, i, h);
         for (int64_t d = 0; d < D; ++d) hrow[d] = acch[d] / l;
       }
-      if (m_out != nullptr) m_out[bh * Lq + i] = m;
-      if (l_out != nullptr) l_out[bh * Lq + i] = l;
+      if (m_out != nullptr) m_out[r] = m;
+      if (l_out != nullptr) l_out[r] = l;
     }
-  });
+  }
 }
 
 void backward(const Dims& dims, ConstView q, ConstView k, ConstView v, ConstView o_hp,

@@ -15,6 +15,7 @@
 // passing arbitrary floats gives what the training op computes after its cast.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 namespace vqad::attn_qat_ref {
 
@@ -73,6 +74,30 @@ void fake_quantize_p_row(const float* x, float* y, int64_t n);
 // vqad::Error on invalid dims or options.
 void forward(const Dims& dims, ConstView q, ConstView k, ConstView v, const Options& opts,
              View o, View o_hp, float* m, float* l);
+
+// --- forward over key ranges (the reference of a forward that splits a row's keys) -------
+// Every row's state after the KV tiles [key_begin, key_end) (key_begin a multiple of
+// block_n; key_end one too, or len_kv), continuing from the running max m0 (one per row,
+// [B * H, Lq]): acc and acch not normalised, l and m as the recurrence leaves them. Started
+// from forward_prefix_max(key_begin), the running max the unsplit row has at key_begin,
+// every P tile is quantized against the same maximum as in forward(), so the combined parts
+// give forward()'s m bit for bit and o, o_hp, l up to the fp32 rounding of the rescale (one
+// exp2(m_part - m) per part instead of one alpha per later tile).
+struct ForwardPart {
+  int64_t key_begin = 0, key_end = 0;
+  std::vector<float> acc, acch;  // [B * H, Lq, D]
+  std::vector<float> m, l;       // [B * H, Lq]
+};
+// max over the keys [0, key_end) of s = c * Q^.K^, per row ([B * H, Lq]; -inf for 0).
+std::vector<float> forward_prefix_max(const Dims& dims, ConstView q, ConstView k, const Options& opts,
+                                      int64_t key_end);
+ForwardPart forward_part(const Dims& dims, ConstView q, ConstView k, ConstView v, const Options& opts,
+                         int64_t key_begin, int64_t key_end, const std::vector<float>& m0);
+// Parts that cover [0, len_kv) in key order, combined into what forward() writes:
+// m = max of the parts' m; acc = sum over the parts, in order, of acc_part * exp2(m_part - m)
+// (acch and l the same); o = acc / l, o_hp = acch / l. o_hp, m and l optional as in forward().
+void forward_combine(const Dims& dims, const std::vector<ForwardPart>& parts, View o, View o_hp, float* m,
+                     float* l);
 
 // --- backward --------------------------------------------------------------------------
 // Straight-through backward. o_hp, m and l are the forward's saved outputs for
