@@ -128,7 +128,7 @@ void forward_row_tiles(const float* qi, const float* K, const float* V, int64_t 
     if (opts.quant_p) {
       fake_quantize_p_row(w.p.data(), w.pq.data(), n);
     } else {
-      std::copy(w.p.begin(), w.p.begin() + n, w.pq.begin());
+      for (int64_t t = 0; t < n; ++t) w.pq[t] = w.p[t];
     }
     float tile_sum = 0.0f;
     for (int64_t t = 0; t < n; ++t) tile_sum += bf16_round(w.p[t]);
