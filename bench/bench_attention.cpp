@@ -81,6 +81,7 @@ vqad::kernels::BlhdOut blhd_out(const torch::Tensor& t) { return {t.data_ptr(), 
 struct QatRun {
   torch::Tensor q, k, v, d_out;                   // inputs
   torch::Tensor qh, kh, vh, o, o_hp, m, l;        // pre-pass + forward
+  torch::Tensor fwd_workspace;                    // forward (key split of the last wave)
   torch::Tensor dq, dk, dv, workspace;            // backward
   ka::FakeQuantQkvParams fq;
   ka::AttnQatFwdParams fwd;
@@ -107,6 +108,11 @@ struct QatRun {
     fwd.batch = fq.batch, fwd.heads = fq.heads, fwd.len_q = fq.len_q, fwd.len_kv = fq.len_kv;
     fwd.head_dim = fq.head_dim;
     fwd.quant_p = true;
+    const size_t ws = ka::attn_qat_fwd_workspace_bytes(fwd);
+    if (ws > 0) {
+      fwd_workspace = torch::empty({static_cast<int64_t>(ws)}, q.options().dtype(torch::kUInt8));
+      fwd.workspace = fwd_workspace.data_ptr(), fwd.workspace_bytes = ws;
+    }
   }
   cudaStream_t stream() const { return at::cuda::getCurrentCUDAStream().stream(); }
   void prepass() { ka::launch_fake_quant_qkv(fq, stream()); }
@@ -252,6 +258,13 @@ nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenc
   QatRun run(q, k, v, d_out);
   r["vqad_prepass_ms"] = time_ms([&] { run.prepass(); }, o.warmup, o.iters);
   r["vqad_qat_fwd_kernel_ms"] = time_ms([&] { run.forward(); }, o.warmup, o.iters);
+  {  // the same kernel with no key split of the last wave (attention_qat.h), for the ratio
+    ka::AttnQatFwdParams whole = run.fwd;
+    whole.split_tiles = 0;
+    r["vqad_qat_fwd_kernel_nosplit_ms"] =
+        time_ms([&] { ka::launch_attn_qat_fwd(whole, run.stream()); }, o.warmup, o.iters);
+    r["vqad_qat_fwd_split"] = run.fwd_workspace.defined();  // this shape and device split some tiles
+  }
   r["vqad_qat_fwd_ms"] = time_ms(
       [&] {
         run.prepass();
@@ -334,6 +347,9 @@ int run_attention_bench(const AttentionBenchOptions& o) {
                 "", cell(r, "vqad_qat_fwd_tflops").c_str(), cell(r, "vqad_bf16_fwd_tflops").c_str(),
                 cell(r, "cudnn_fwd_tflops").c_str(), cell(r, "flash_fwd_tflops").c_str(),
                 cell(r, "vqad_qat_bwd_tflops").c_str(), cell(r, "vqad_prepass_ms").c_str());
+    std::printf("%-14s | qat fwd kernel %s ms, with no key split of the last wave %s ms%s\n", "",
+                cell(r, "vqad_qat_fwd_kernel_ms").c_str(), cell(r, "vqad_qat_fwd_kernel_nosplit_ms").c_str(),
+                r.value("vqad_qat_fwd_split", false) ? "" : " (no split planned)");
     results.push_back(std::move(r));
   }
   const nlohmann::json doc = {{"bench", "attention"},

@@ -59,7 +59,7 @@ struct CaseResult {
 // layout of a fused QKV projection), cross cases use separate tensors; both go
 // through the pre-pass and the forward exactly as the op will call them.
 CaseResult run_case(int B, int H, int Lq, int Lkv, bool quant_p, bool quant_qkv, float input_scale,
-                    uint32_t seed) {
+                    uint32_t seed, int split_tiles = 0, int split_key_tile = -1) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, input_scale);
   const bool packed = Lq == Lkv;
@@ -138,8 +138,16 @@ CaseResult run_case(int B, int H, int Lq, int Lkv, bool quant_p, bool quant_qkv,
   fp.m = m, fp.l = l;
   fp.batch = B, fp.heads = H, fp.len_q = Lq, fp.len_kv = Lkv, fp.head_dim = kD;
   fp.quant_p = quant_p;
+  fp.split_tiles = split_tiles, fp.split_key_tile = split_key_tile;  // 0: no key split
+  uint8_t* ws = nullptr;
+  if (split_tiles > 0) {
+    fp.workspace_bytes = ka::attn_qat_fwd_workspace_bytes(fp);
+    ws = dev_alloc<uint8_t>(fp.workspace_bytes, 0xFF);
+    fp.workspace = ws;
+  }
   ka::launch_attn_qat_fwd(fp, nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
+  if (ws != nullptr) VQAD_CUDA_CHECK(cudaFree(ws));
 
   std::vector<uint16_t> ho(q.size()), hohp(q.size());
   std::vector<float> hm(nstat), hl(nstat);
@@ -183,24 +191,29 @@ int check() {
     int B, H, Lq, Lkv;
     bool quant_p, quant_qkv;
     float scale;
+    int split_tiles = 0, split_key_tile = -1;  // key split of the last query tiles
   };
   const C cases[] = {
       {1, 2, 256, 256, true, true, 1.0f},   {1, 2, 1000, 777, true, true, 1.0f},
       {2, 3, 333, 1100, true, true, 1.0f},  {1, 2, 777, 1000, true, true, 3.0f},
       {1, 1, 1, 17, true, true, 1.0f},      {1, 2, 1000, 777, false, true, 1.0f},
       {1, 2, 1000, 777, false, false, 1.0f}, {1, 2, 4096, 4096, true, true, 1.0f},
+      {1, 2, 1000, 777, true, true, 1.0f, 16, 3},  {2, 3, 333, 1100, true, true, 1.0f, 5, 1},
+      {1, 2, 1000, 777, false, true, 1.0f, 16, 6}, {1, 2, 4096, 4096, true, true, 1.0f, 64, 12},
   };
   int failures = 0;
   uint32_t seed = 1234;
   std::printf("%-24s %-8s %-6s %10s %10s %10s %10s %5s %s\n", "shape B,H,Lq,Lkv", "quant_p", "qkv", "O relL2",
               "Ohp relL2", "m maxabs", "l maxrel", "nan", "pre-pass");
   for (const C& c : cases) {
-    const CaseResult r = run_case(c.B, c.H, c.Lq, c.Lkv, c.quant_p, c.quant_qkv, c.scale, seed++);
+    const CaseResult r =
+        run_case(c.B, c.H, c.Lq, c.Lkv, c.quant_p, c.quant_qkv, c.scale, seed++, c.split_tiles, c.split_key_tile);
     const bool ok = r.o <= r.o_tol && r.o_hp <= r.o_hp_tol && r.m_abs <= 1e-3 && r.l_rel <= 1e-3 &&
                     r.nonfinite == 0 && r.prepass_exact;
     failures += ok ? 0 : 1;
     char shape[64];
-    std::snprintf(shape, sizeof(shape), "%d,%d,%d,%d x%.0f", c.B, c.H, c.Lq, c.Lkv, c.scale);
+    std::snprintf(shape, sizeof(shape), "%d,%d,%d,%d x%.0f%s", c.B, c.H, c.Lq, c.Lkv, c.scale,
+                  c.split_tiles > 0 ? " split" : "");
     std::printf("%-24s %-8s %-6s %10.3e %10.3e %10.3e %10.3e %5ld %s %s\n", shape, c.quant_p ? "on" : "off",
                 c.quant_qkv ? "on" : "off", r.o, r.o_hp, r.m_abs, r.l_rel, r.nonfinite,
                 r.prepass_exact ? "exact" : "MISMATCH", ok ? "ok" : "FAIL");
@@ -269,6 +282,8 @@ void time_shapes() {
     std::snprintf(shape, sizeof(shape), "%d,%d,%d", s.B, s.H, s.L);
     const float t_pre = time([&] { ka::launch_fake_quant_qkv(fq, nullptr); });
     std::printf("%-18s %-10s %10.3f %10s %12.0f\n", shape, "prepass", t_pre, "-", 6.0 * n * 2 / (t_pre * 1e6));
+    // Unsplit (split_tiles 0), then the key split this device's plan makes (if any).
+    fp.split_tiles = 0;
     fp.quant_p = true;
     const float t_q = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
     std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "fwd_qat", t_q, flops / (t_q * 1e9));
@@ -276,6 +291,30 @@ void time_shapes() {
     const float t_b = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
     std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "fwd_bf16", t_b, flops / (t_b * 1e9));
     std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "pre+qat", t_pre + t_q, flops / ((t_pre + t_q) * 1e9));
+    fp.split_tiles = -1;
+    const size_t ws_bytes = ka::attn_qat_fwd_workspace_bytes(fp);
+    if (ws_bytes > 0) {
+      int dev = 0, sms = 0;
+      VQAD_CUDA_CHECK(cudaGetDevice(&dev));
+      VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+      const ka::AttnQatFwdSplit plan = ka::attn_qat_fwd_split_plan(
+          static_cast<int64_t>(s.B) * s.H * ((s.L + ka::kAttnQatBlockM - 1) / ka::kAttnQatBlockM),
+          (s.L + ka::kAttnQatBlockN - 1) / ka::kAttnQatBlockN, sms);
+      uint8_t* ws = dev_alloc<uint8_t>(ws_bytes, 0);
+      fp.workspace = ws, fp.workspace_bytes = ws_bytes;
+      fp.quant_p = true;
+      const float t_qs = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
+      std::printf("%-18s %-10s %10.3f %10.1f   (%d tiles split at KV tile %d, modelled last wave %.2f)\n", shape,
+                  "qat_split", t_qs, flops / (t_qs * 1e9), plan.tiles, plan.key_tile, plan.makespan);
+      fp.quant_p = false;
+      const float t_bs = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
+      std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "bf16_split", t_bs, flops / (t_bs * 1e9));
+      fp.workspace = nullptr, fp.workspace_bytes = 0;
+      VQAD_CUDA_CHECK(cudaFree(ws));
+    } else {
+      std::printf("%-18s %-10s (no split planned on this device)\n", shape, "qat_split");
+    }
+    fp.split_tiles = 0;
     VQAD_CUDA_CHECK(cudaEventDestroy(e0));
     VQAD_CUDA_CHECK(cudaEventDestroy(e1));
     for (void* ptr : std::vector<void*>{in[0], in[1], in[2], hat[0], hat[1], hat[2], o, ohp, m, l})

@@ -12,9 +12,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/support/attention_inputs.h"
@@ -60,7 +62,10 @@ AttentionInputs normal_inputs(int B, int H, int Lq, int Lkv, float scale, const 
 
 // Pre-pass + forward on the GPU. `packed` puts Q, K, V in one [B, L, 3, H, D] buffer
 // (fused projection layout; needs Lq == Lkv) so the strided input path is used.
-FwdOut run_gpu(const AttentionInputs& in, bool quant_qkv, bool quant_p, bool packed) {
+// split_tiles > 0: the last split_tiles query tiles run split at KV tile split_key_tile
+// (with the workspace the launcher asks for, NaN-poisoned); 0: no split.
+FwdOut run_gpu(const AttentionInputs& in, bool quant_qkv, bool quant_p, bool packed, int split_tiles = 0,
+               int split_key_tile = -1) {
   const int kD = static_cast<int>(in.D);
   const size_t row = static_cast<size_t>(in.H) * kD;
   ka::FakeQuantQkvParams fq;
@@ -101,6 +106,13 @@ FwdOut run_gpu(const AttentionInputs& in, bool quant_qkv, bool quant_p, bool pac
   fp.o = o.out(), fp.o_hp = ohp.out(), fp.m = m.get(), fp.l = l.get();
   fp.batch = in.B, fp.heads = in.H, fp.len_q = in.Lq, fp.len_kv = in.Lkv, fp.head_dim = kD;
   fp.quant_p = quant_p;
+  fp.split_tiles = split_tiles;
+  fp.split_key_tile = split_key_tile;
+  DeviceBuffer<uint8_t> ws(split_tiles > 0 ? ka::attn_qat_fwd_workspace_bytes(fp) : 0);
+  if (split_tiles > 0) {
+    EXPECT_GT(ws.size(), 0u);
+    fp.workspace = ws.get(), fp.workspace_bytes = ws.size();
+  }
   ka::launch_attn_qat_fwd(fp, nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -316,6 +328,84 @@ TEST(AttnQatFwdGpu, QuantPOffIsPlainFlashAttention) {
   EXPECT_EQ(dense.o_bits, dense.o_hp_bits);
   // Quantized Q/K/V with BF16 P.
   expect_close(run_gpu(in, true, false, false), run_ref(in, true, false), "quant_p off");
+}
+
+// Key split (attention_qat.h): the later part takes the running max over the earlier KV
+// tiles first, so m is the unsplit kernel's bit for bit and O, O_hp, l differ only by the
+// fp32 rounding of one rescale (at most one BF16 step in an element); both match the
+// reference. Splits of every tile and of the last few, early and late split points, the
+// peaky rows' spike (KV tile 4) before and after the split, D = 64, BF16 P.
+void expect_split_same(const FwdOut& split, const FwdOut& whole, const char* what) {
+  ASSERT_EQ(split.m.size(), whole.m.size());
+  size_t m_diff = 0, far = 0;
+  for (size_t i = 0; i < split.m.size(); ++i) m_diff += std::memcmp(&split.m[i], &whole.m[i], sizeof(float)) != 0;
+  double l_rel = 0;
+  for (size_t i = 0; i < split.l.size(); ++i)
+    l_rel = std::max(l_rel, static_cast<double>(std::fabs(split.l[i] - whole.l[i]) / whole.l[i]));
+  for (const auto& [a, b] : {std::pair(&split.o, &whole.o), std::pair(&split.o_hp, &whole.o_hp)})
+    for (size_t i = 0; i < a->size(); ++i) {
+      const float x = (*a)[i], y = (*b)[i];
+      if (!(std::fabs(x - y) <= std::ldexp(std::max(std::fabs(x), std::fabs(y)), -7))) ++far;
+    }
+  std::printf("  %s: split vs unsplit: m differs in %zu rows, l max rel %.2e, %zu O / O_hp elements apart by more "
+              "than one BF16 step\n",
+              what, m_diff, l_rel, far);
+  EXPECT_EQ(m_diff, 0u) << what;
+  EXPECT_LE(l_rel, 1e-5) << what;
+  EXPECT_EQ(far, 0u) << what;
+}
+
+TEST(AttnQatFwdGpu, KeySplitKeepsTheNumerics) {
+  REQUIRE_GPU();
+  struct Case {
+    const char* what;
+    int B, H, Lq, Lkv, D, split_tiles, key_tile;
+    bool peaky, quant_p;
+  };
+  const Case cases[] = {
+      {"split all 1000x777 at 3", 1, 2, 1000, 777, kD, 16, 3, false, true},      // 16 tiles, 7 KV tiles
+      {"split all 1000x777 at 6", 1, 2, 1000, 777, kD, 16, 6, false, true},      // the ragged last KV tile later
+      {"split last 5 B2 333x1100 at 1", 2, 3, 333, 1100, kD, 5, 1, false, true},  // 18 tiles, 9 KV tiles
+      {"peaky split at 4", 1, 2, 300, 1000, kD, 6, 4, true, true},              // spike in the later part
+      {"peaky split at 5", 1, 2, 300, 1000, kD, 6, 5, true, true},              // spike in the running max pass
+      {"D64 split all B2 1000x777 at 2", 2, 2, 1000, 777, 64, 32, 2, false, true},
+      {"BF16 P split all 1000x777 at 4", 1, 2, 1000, 777, kD, 16, 4, false, false},
+  };
+  for (const Case& c : cases) {
+    const AttentionInputs in = c.peaky ? peaky_inputs(c.B, c.H, c.Lq, c.Lkv, c.what)
+                                       : normal_inputs(c.B, c.H, c.Lq, c.Lkv, 1.0f, c.what, c.D);
+    const FwdOut split = run_gpu(in, true, c.quant_p, false, c.split_tiles, c.key_tile);
+    expect_close(split, run_ref(in, true, c.quant_p), c.what);
+    expect_split_same(split, run_gpu(in, true, c.quant_p, false), c.what);
+    // Deterministic: the combine's order does not depend on which part finishes first.
+    const FwdOut again = run_gpu(in, true, c.quant_p, false, c.split_tiles, c.key_tile);
+    EXPECT_EQ(again.o_bits, split.o_bits) << c.what;
+    EXPECT_EQ(again.o_hp_bits, split.o_hp_bits) << c.what;
+    EXPECT_EQ(0, std::memcmp(again.m.data(), split.m.data(), split.m.size() * sizeof(float))) << c.what;
+    EXPECT_EQ(0, std::memcmp(again.l.data(), split.l.data(), split.l.size() * sizeof(float))) << c.what;
+  }
+}
+
+TEST(AttnQatFwdGpu, KeySplitNeedsItsWorkspaceAndARange) {
+  REQUIRE_GPU();
+  const int L = 300;
+  DeviceBuffer<uint16_t> buf(static_cast<size_t>(L) * kD, 0);
+  DeviceBuffer<float> stat(L, 0);
+  ka::AttnQatFwdParams fp;
+  fp.q = fp.k = fp.v = {buf.get(), kk::contiguous_blhd(L, 1, kD)};
+  fp.o = fp.o_hp = {buf.get(), kk::contiguous_blhd(L, 1, kD)};
+  fp.m = fp.l = stat.get();
+  fp.batch = 1, fp.heads = 1, fp.len_q = L, fp.len_kv = L, fp.head_dim = kD;
+  fp.split_tiles = 3, fp.split_key_tile = 1;  // 3 query tiles, 3 KV tiles
+  using vqad::test::error_of;
+  std::string msg = error_of([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
+  EXPECT_NE(msg.find("split_tiles 3: expected a workspace of "), std::string::npos) << msg;
+  fp.split_key_tile = 3;
+  msg = error_of([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
+  EXPECT_NE(msg.find("expected split_key_tile in [1, 2]"), std::string::npos) << msg;
+  fp.split_key_tile = 1, fp.split_tiles = 4;
+  msg = error_of([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
+  EXPECT_NE(msg.find("expected split_tiles <= the 3 query tiles, found 4"), std::string::npos) << msg;
 }
 
 TEST(AttnQatFwdGpu, UnsupportedShapesAndLayoutsAreClearErrors) {

@@ -165,6 +165,16 @@ AttnQatCudaForward attention_qat_cuda_forward(const torch::Tensor& q, const torc
   fp.head_dim = static_cast<int>(D);
   fp.softmax_scale = 0.0f;  // 1/sqrt(D), as the CPU reference
   fp.quant_p = opts.quant_p;
+  // The key split of the grid's last wave (attention_qat.h) needs a workspace for the
+  // split tiles' partial states; none when this shape and device split nothing.
+  size_t fwd_ws_bytes = 0;
+  run_launcher("forward", context, [&] { fwd_ws_bytes = ka::attn_qat_fwd_workspace_bytes(fp); });
+  torch::Tensor fwd_ws;
+  if (fwd_ws_bytes > 0) {
+    fwd_ws = torch::empty({static_cast<int64_t>(fwd_ws_bytes)}, q.options().dtype(torch::kUInt8));
+    fp.workspace = fwd_ws.data_ptr();
+    fp.workspace_bytes = fwd_ws_bytes;
+  }
   run_launcher("forward", context, [&] { ka::launch_attn_qat_fwd(fp, stream); });
 
   r.o = q.scalar_type() == torch::kBFloat16 ? o : o.to(q.scalar_type());

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "vqad/kernels/attention/attn_qat_fwd_split.h"
 #include "vqad/kernels/common/launch.h"
 
 namespace vqad::kernels::attention {
@@ -59,7 +60,23 @@ struct AttnQatFwdParams {
   int batch = 0, heads = 0, len_q = 0, len_kv = 0, head_dim = 0;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(D); s = (q.k) * softmax_scale * log2(e)
   bool quant_p = true;         // false: plain BF16 flash attention (O == O_hp)
+  // Key split of the grid's last query tiles (attn_qat_fwd_split_plan): a split tile runs
+  // as two CTAs, the earlier keys and the later ones, the later part first taking the
+  // running max over the earlier keys (Q^ K^T only) so that every P tile is quantized
+  // against the maximum the unsplit tile has there: m is the unsplit kernel's bit for
+  // bit, O / O_hp / l differ by the fp32 rounding of one rescale (the CPU reference:
+  // attn_qat_ref::forward_part / forward_combine). The two partial tiles meet in the
+  // workspace, attn_qat_fwd_workspace_bytes(p) bytes, 16-byte aligned; with no workspace
+  // (null) or split_tiles = 0 no tile is split.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  int split_tiles = -1;     // -1: the plan for this device; 0: none; n > 0: the last n tiles
+  int split_key_tile = -1;  // -1: the plan's; else the later part's first KV tile (1 .. tiles - 1)
 };
 void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream);
+
+// Workspace of the split launch_attn_qat_fwd would make for p on the current device (0
+// when no tile would split); the launcher splits only with at least this much.
+size_t attn_qat_fwd_workspace_bytes(const AttnQatFwdParams& p);
 
 }  // namespace vqad::kernels::attention

@@ -21,6 +21,13 @@
 // the next tile's Q^ K^T to be queued behind the current P.V products (kLookahead).
 // docs/performance.md has the measured schedules.
 //
+// Key split of the last wave (dense KV; attention_qat.h, attn_qat_fwd_split.h): the grid is
+// 1-D over units, the whole tiles first, then the later and the earlier KV tiles of the last
+// split_tiles query tiles as separate CTAs. The later part first runs Q^ K^T over the
+// earlier KV tiles for the running max alone (their V stages pass through empty), so every
+// P tile is quantized against the maximum the unsplit tile has there; the two parts meet in
+// the workspace (split_exchange) and the second to finish stores the tile.
+//
 // Head dim D = 128 or 64 (template parameter). The tiles are stored as [D / 64][ROWS][64]
 // bf16: each 64-channel half of a row is a separate [ROWS][128 B] block in the
 // 128-byte-swizzled K-major layout that TMA writes (SWIZZLE_128B) and the wgmma
@@ -63,6 +70,13 @@ struct FwdKernelParams {
   float* m;  // may be null
   float* l;  // may be null
   int heads, len_q, len_kv;
+  // Key split (DenseKv only; split_tiles = 0: none). The grid is 1-D over units: [0,
+  // tiles - split_tiles) whole tiles, [tiles - split_tiles, tiles) the later KV tiles
+  // [split_key_tile, kv_tiles) of the last split_tiles tiles, [tiles, tiles + split_tiles)
+  // their earlier KV tiles [0, split_key_tile). Tile t = (b * heads + h) * m_blocks + m.
+  int m_blocks, tiles, split_tiles, split_key_tile;
+  float* part;      // [split_tiles][2: earlier, later][kBM rows][kPartCols] fp32
+  int* part_count;  // [split_tiles] parts finished (zeroed by the launcher)
 };
 
 // Schedule (named constants; docs/performance.md has the measured alternatives).
@@ -75,6 +89,11 @@ constexpr int kConsumerRegs = 240;
 constexpr int kSkewGroups = 4;
 static_assert(kSkewGroups > 0 && kSkewGroups < kBN / 16, "skew: 1 to 7 groups");
 constexpr int kStartBarrier = 1;         // named barrier: consumer 1 may start
+constexpr int kPartBarrier = 2;          // named barrier: both consumers' partial tile written
+// A partial tile's row: acc (D), acch (D), m, l, padded to 16 bytes.
+template <int D>
+constexpr int kPartCols = 2 * D + 4;
+enum class Role : int { kWhole = 0, kEarlier = 1, kLater = 2 };
 template <int D>
 constexpr uint32_t kTileBytes = 128 * D * 2;  // one Q, K or V tile (128 rows)
 // (S, RN(1/S)) for every E4M3 byte: a shared-memory lookup replaces the IEEE reciprocal
@@ -241,6 +260,7 @@ __device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[
 // arrive as zeros (TMA) and are masked.
 struct DenseKv {
   static constexpr bool kCanIdle = false;
+  static constexpr bool kSplit = true;  // 1-D grid of units (FwdKernelParams)
   static constexpr int kBoxRows = kBN;  // one TMA box per 64-channel half
   int len;
   __device__ __forceinline__ static DenseKv make(const FwdKernelParams& p, const AttnQatFwdVisit&, int) {
@@ -274,6 +294,7 @@ struct DenseKv {
 // fills with zeros, and is masked whole.
 struct VisitKv {
   static constexpr bool kCanIdle = true;  // see idle()
+  static constexpr bool kSplit = false;   // grid (query tiles, heads, batch)
   static constexpr int kBoxRows = kAttnQatVisitBlockRows;
   const int32_t* entries;  // this query tile's list
   int count;
@@ -322,6 +343,118 @@ struct VisitKv {
   }
 };
 
+// Row maxima of this warp's rows g and g + 8 of S (raw dot products; a quad holds a row).
+template <int NT>
+__device__ __forceinline__ void tile_row_max(const float (&s)[NT][4], float& mx0, float& mx1) {
+  mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+}
+
+// The two parts of a split tile meet here (both consumer warpgroups of each part run it).
+// Each thread writes its rows' fp32 state (acc, acch, m, l) to its part's slot, the
+// consumers synchronise, one thread counts the part in; the part that counts second reads
+// the other's state back (the same rows and columns this thread wrote, so no exchange
+// between threads), combines the two in the fixed order earlier, later,
+//   m = max(m_e, m_l), acc = acc_e 2^(m_e - m) + acc_l 2^(m_l - m), the same for acch and l,
+// and stores the tile's O, O_hp, m and l as the unsplit epilogue does. The result does not
+// depend on which part finished first. (Each column's read, combine and store happen
+// together: the stores keep ptxas from hoisting all reads, which would not fit in the
+// registers.)
+template <int D, bool QUANT_P>
+__device__ __forceinline__ void split_exchange(const FwdKernelParams& p, bool later, int slot, int q0, int h, int b,
+                                               int warp, int lane, const float (&acc)[D / 8][4],
+                                               const float (&acch)[D / 8][4], const float (&m_run)[2], float l0,
+                                               float l1, int* s_arrived) {
+  constexpr int kC = kPartCols<D>;
+  const int g = lane >> 2, t = lane & 3;
+  const int r0 = (warp - 4) * 16 + g;  // this thread's rows of the tile: r0, r0 + 8
+  float* mine = p.part + (static_cast<int64_t>(slot) * 2 + (later ? 1 : 0)) * kBM * kC;
+  const float* other = p.part + (static_cast<int64_t>(slot) * 2 + (later ? 0 : 1)) * kBM * kC;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    const int d = i * 8 + 2 * t;
+    *reinterpret_cast<float2*>(mine + r0 * kC + d) = make_float2(acc[i][0], acc[i][1]);
+    *reinterpret_cast<float2*>(mine + (r0 + 8) * kC + d) = make_float2(acc[i][2], acc[i][3]);
+    if constexpr (QUANT_P) {
+      *reinterpret_cast<float2*>(mine + r0 * kC + D + d) = make_float2(acch[i][0], acch[i][1]);
+      *reinterpret_cast<float2*>(mine + (r0 + 8) * kC + D + d) = make_float2(acch[i][2], acch[i][3]);
+    }
+  }
+  if (t == 0) {
+    *reinterpret_cast<float2*>(mine + r0 * kC + 2 * D) = make_float2(m_run[0], l0);
+    *reinterpret_cast<float2*>(mine + (r0 + 8) * kC + 2 * D) = make_float2(m_run[1], l1);
+  }
+  __threadfence();  // this thread's state is visible device-wide before the part is counted
+  sm90::named_barrier_sync(kPartBarrier, 256);
+  if (warp == 4 && lane == 0) *s_arrived = atomicAdd(p.part_count + slot, 1);
+  sm90::named_barrier_sync(kPartBarrier, 256);
+  if (*s_arrived == 0) return;  // the other part combines
+  __threadfence();
+  // e = the earlier part's value, l = the later part's: operands chosen by role before any
+  // arithmetic, so both parts would compute the same bits.
+  const float2 o0 = __ldcg(reinterpret_cast<const float2*>(other + r0 * kC + 2 * D));
+  const float2 o1 = __ldcg(reinterpret_cast<const float2*>(other + (r0 + 8) * kC + 2 * D));
+  const float me0 = later ? o0.x : m_run[0], ml0 = later ? m_run[0] : o0.x;
+  const float me1 = later ? o1.x : m_run[1], ml1 = later ? m_run[1] : o1.x;
+  const float m0 = fmaxf(me0, ml0), m1 = fmaxf(me1, ml1);
+  const float sc_e[2] = {sm90::fast_exp2(me0 - m0), sm90::fast_exp2(me1 - m1)};
+  const float sc_l[2] = {sm90::fast_exp2(ml0 - m0), sm90::fast_exp2(ml1 - m1)};
+  const float le0 = later ? o0.y : l0, ll0 = later ? l0 : o0.y;
+  const float le1 = later ? o1.y : l1, ll1 = later ? l1 : o1.y;
+  const float lc0 = le0 * sc_e[0] + ll0 * sc_l[0];
+  const float lc1 = le1 * sc_e[1] + ll1 * sc_l[1];
+  const float inv_l0 = 1.0f / lc0, inv_l1 = 1.0f / lc1;
+  const auto mix = [&](float mine_v, float other_v, int r) {
+    const float e = later ? other_v : mine_v, l = later ? mine_v : other_v;
+    return e * sc_e[r] + l * sc_l[r];
+  };
+  const int row0 = q0 + r0, row1 = row0 + 8;
+  const bool ok0 = row0 < p.len_q, ok1 = row1 < p.len_q;
+  using bf = __nv_bfloat16;
+  bf* o = static_cast<bf*>(p.o) + b * p.o_stride.b + h * p.o_stride.h;
+  bf* ohp = p.o_hp ? static_cast<bf*>(p.o_hp) + b * p.o_hp_stride.b + h * p.o_hp_stride.h : nullptr;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    const int d = i * 8 + 2 * t;
+    const float2 a0 = __ldcg(reinterpret_cast<const float2*>(other + r0 * kC + d));
+    const float2 a1 = __ldcg(reinterpret_cast<const float2*>(other + (r0 + 8) * kC + d));
+    const float x0 = mix(acc[i][0], a0.x, 0), x1 = mix(acc[i][1], a0.y, 0);
+    const float x2 = mix(acc[i][2], a1.x, 1), x3 = mix(acc[i][3], a1.y, 1);
+    if (ok0) *reinterpret_cast<uint32_t*>(o + row0 * p.o_stride.l + d) = pack_bf16(x0 * inv_l0, x1 * inv_l0);
+    if (ok1) *reinterpret_cast<uint32_t*>(o + row1 * p.o_stride.l + d) = pack_bf16(x2 * inv_l1, x3 * inv_l1);
+    if (ohp != nullptr) {
+      float y0 = x0, y1 = x1, y2 = x2, y3 = x3;  // without P quantization O_hp = O
+      if constexpr (QUANT_P) {
+        const float2 h0 = __ldcg(reinterpret_cast<const float2*>(other + r0 * kC + D + d));
+        const float2 h1 = __ldcg(reinterpret_cast<const float2*>(other + (r0 + 8) * kC + D + d));
+        y0 = mix(acch[i][0], h0.x, 0), y1 = mix(acch[i][1], h0.y, 0);
+        y2 = mix(acch[i][2], h1.x, 1), y3 = mix(acch[i][3], h1.y, 1);
+      }
+      if (ok0) *reinterpret_cast<uint32_t*>(ohp + row0 * p.o_hp_stride.l + d) = pack_bf16(y0 * inv_l0, y1 * inv_l0);
+      if (ok1) *reinterpret_cast<uint32_t*>(ohp + row1 * p.o_hp_stride.l + d) = pack_bf16(y2 * inv_l1, y3 * inv_l1);
+    }
+  }
+  if (t == 0) {
+    const int64_t stat = (static_cast<int64_t>(b) * p.heads + h) * p.len_q;
+    if (p.m != nullptr) {
+      if (ok0) p.m[stat + row0] = m0;
+      if (ok1) p.m[stat + row1] = m1;
+    }
+    if (p.l != nullptr) {
+      if (ok0) p.l[stat + row0] = lc0;
+      if (ok1) p.l[stat + row1] = lc1;
+    }
+  }
+}
+
 template <int D, bool QUANT_P, class KV>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_qat_fwd_kernel(const FwdKernelParams p, float scale_log2, const AttnQatFwdVisit visit,
@@ -355,10 +488,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // warp-uniform as far as ptxas can see (wgmma under a divergent branch is serialized)
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
-  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  Role role = Role::kWhole;
+  int slot = 0;  // split tiles: index among the split ones
+  if constexpr (KV::kSplit) {
+    int tile = static_cast<int>(blockIdx.x);
+    if (tile >= p.tiles) {
+      tile -= p.split_tiles;
+      role = Role::kEarlier;
+    } else if (tile >= p.tiles - p.split_tiles) {
+      role = Role::kLater;
+    }
+    slot = tile - (p.tiles - p.split_tiles);
+    m_block = tile % p.m_blocks;
+    h = (tile / p.m_blocks) % p.heads;
+    b = tile / (p.m_blocks * p.heads);
+  }
   const int q0 = m_block * kBM;
   const KV kv = KV::make(p, visit, m_block);
   const int n_tiles = kv.n_tiles();
+  // KV tiles: the later part of a split tile takes the running max alone over [0, j_begin)
+  // (K only; each of those tiles' V stage is passed through empty, so that K and V stages
+  // keep one index and parity per tile), then every part runs [j_begin, j_end).
+  const int j_begin = role == Role::kLater ? p.split_key_tile : 0;
+  const int j_end = role == Role::kEarlier ? p.split_key_tile : n_tiles;
 
   if (tid == 0) {
     sm90::mbar_init(bar_q, 1);
@@ -393,13 +546,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int half = 0; half < D / 64; ++half) sm90::tma_load_4d(sQ + half * kBM * 128, &tm_q, bar_q, 64 * half, q0, h, b);
 #pragma unroll 1
-      for (int j = 0; j < n_tiles; ++j) {
+      for (int j = 0; j < j_end; ++j) {
         const int st = j % kStages;
-        const uint32_t free_parity = ((j / kStages) & 1) ^ 1;  // the stage's previous use has ended
-        if (j >= kStages) sm90::mbar_wait(empty_k(st), free_parity);
+        // (the stage's previous use has ended)
+        if (j >= kStages) sm90::mbar_wait(empty_k(st), ((j / kStages) & 1) ^ 1);
         sm90::mbar_arrive_expect_tx(full_k(st), kTile);
         kv.template load<D>(&tm_k, sK0 + st * kTile, full_k(st), j, h, b);
-        if (j >= kStages) sm90::mbar_wait(empty_v(st), free_parity);
+        if (j >= kStages) sm90::mbar_wait(empty_v(st), ((j / kStages) & 1) ^ 1);
+        if (j < j_begin) {
+          sm90::mbar_arrive(full_v(st));  // the running max alone: no V
+          continue;
+        }
         sm90::mbar_arrive_expect_tx(full_v(st), kTile);
         kv.template load<D>(&tm_v, sV0 + st * kTile, full_v(st), j, h, b);
       }
@@ -455,15 +612,32 @@ __global__ void __launch_bounds__(kThreads, 1)
   float s[kNT][4];
 
   sm90::mbar_wait(bar_q, 0);
+  // ---- the later part of a split tile: the running max over the earlier KV tiles, as the
+  // loop below forms it (those tiles are whole: nothing to mask) ----
+#pragma unroll 1
+  for (int j = 0; j < j_begin; ++j) {
+    const int st = j % kStages;
+    const uint32_t parity = (j / kStages) & 1;
+    sm90::mbar_wait(full_k(st), parity);
+    qk_wgmma<D, true>(s, a_base, sK0 + st * kTile);
+    release(empty_k(st));
+    sm90::mbar_wait(full_v(st), parity);  // passed through empty
+    release(empty_v(st));
+    float mx0, mx1;
+    tile_row_max(s, mx0, mx1);
+    m_run[0] = fmaxf(m_run[0], mx0 * scale_log2);
+    m_run[1] = fmaxf(m_run[1], mx1 * scale_log2);
+  }
   if (cw == 1) sm90::named_barrier_sync(kStartBarrier, 256);  // half a tile behind consumer 0
-  // (every KV policy has n_tiles >= 1)
+  // (every KV policy has n_tiles >= 1, and j_begin < j_end)
   if constexpr (kLookahead) {
-    sm90::mbar_wait(full_k(0), 0);
-    qk_wgmma<D, true>(s, a_base, sK0);
-    release(empty_k(0));
+    const int st = j_begin % kStages;
+    sm90::mbar_wait(full_k(st), (j_begin / kStages) & 1);
+    qk_wgmma<D, true>(s, a_base, sK0 + st * kTile);
+    release(empty_k(st));
   }
 #pragma unroll 1
-  for (int j = 0; j < n_tiles; ++j) {
+  for (int j = j_begin; j < j_end; ++j) {
     const int st = j % kStages;
     const uint32_t parity = (j / kStages) & 1;
     const int mi = kv.mask_info(j);
@@ -476,16 +650,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- running max (rows g and g + 8 of this warp) ----
     // The max is taken on the raw dot products: x -> RN(x * c) is monotonic for c > 0,
     // so RN(max * c) is exactly the max of the scaled scores.
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kNT; ++i) {
-      mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    float mx0, mx1;
+    tile_row_max(s, mx0, mx1);
     mx0 = fmaxf(m_run[0], mx0 * scale_log2);
     mx1 = fmaxf(m_run[1], mx1 * scale_log2);
     const float alpha0 = fast_exp2(m_run[0] - mx0);
@@ -517,9 +683,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t sV = sV0 + st * kTile;
     sm90::mbar_wait(full_v(st), parity);
     pv_groups<D, 0, kSkewGroups, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
-    if (cw == 0 && j == 0) sm90::named_barrier_arrive(kStartBarrier, 256);
+    if (cw == 0 && j == j_begin) sm90::named_barrier_arrive(kStartBarrier, 256);
     pv_groups<D, kSkewGroups, kKS, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
-    const bool next = kLookahead && j + 1 < n_tiles;
+    const bool next = kLookahead && j + 1 < j_end;
     if (next) {
       const int nst = (j + 1) % kStages;
       sm90::mbar_wait(full_k(nst), ((j + 1) / kStages) & 1);
@@ -534,6 +700,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Every column holds the row sum; the max of two columns (equal values) keeps all
   // four accumulators live, so the row-sum wgmma never sees an undefined accumulator.
   const float l0 = fmaxf(lacc[0], lacc[1]), l1 = fmaxf(lacc[2], lacc[3]);
+  if constexpr (KV::kSplit) {
+    if (role != Role::kWhole) {
+      // A part of a split tile: the first to finish leaves its fp32 state in the
+      // workspace; the second combines it with its own and stores the tile.
+      __shared__ int s_arrived;
+      split_exchange<D, QUANT_P>(p, role == Role::kLater, slot, q0, h, b, warp, lane, acc, acch_ref, m_run, l0, l1,
+                                 &s_arrived);
+      return;
+    }
+  }
   const float inv_l0 = 1.0f / l0, inv_l1 = 1.0f / l1;
   const int row0 = q0 + (warp - 4) * 16 + g;
   const int row1 = row0 + 8;
@@ -578,6 +754,53 @@ std::string shape_str(const AttnQatFwdParams& p) {
   return attention_shape_str(p.batch, p.heads, p.len_q, p.len_kv, p.head_dim);
 }
 
+// The split a launch makes (DenseKv): the plan for this device unless the params force
+// one. Forced splits are checked (they come from tests and benchmarks).
+struct SplitChoice {
+  int tiles = 0, key_tile = 0;
+};
+
+int device_sm_count() {
+  int device = 0, sms = 0;
+  VQAD_CUDA_CHECK(cudaGetDevice(&device));
+  VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+int64_t fwd_query_tiles(const AttnQatFwdParams& p) {
+  return static_cast<int64_t>(p.batch) * p.heads * ((p.len_q + kBM - 1) / kBM);
+}
+
+SplitChoice split_choice(const char* op, const AttnQatFwdParams& p) {
+  const int64_t tiles = fwd_query_tiles(p);
+  const int kv_tiles = (p.len_kv + kBN - 1) / kBN;
+  SplitChoice c;
+  if (p.split_tiles < 0) {
+    const AttnQatFwdSplit plan = attn_qat_fwd_split_plan(tiles, kv_tiles, device_sm_count());
+    c.tiles = plan.tiles;
+    c.key_tile = plan.key_tile;
+  } else if (p.split_tiles > 0) {
+    VQAD_LAUNCH_CHECK(p.split_tiles <= tiles && tiles <= 0x7fffffff - p.split_tiles, op, shape_str(p),
+                      "expected split_tiles <= the ", tiles, " query tiles, found ", p.split_tiles);
+    c.tiles = p.split_tiles;
+    c.key_tile = p.split_key_tile;
+  }
+  if (c.tiles > 0 && p.split_key_tile >= 0) c.key_tile = p.split_key_tile;
+  if (c.tiles > 0)
+    VQAD_LAUNCH_CHECK(c.key_tile >= 1 && c.key_tile < kv_tiles, op, shape_str(p),
+                      "expected split_key_tile in [1, ", kv_tiles - 1, "] (the later part's first of ", kv_tiles,
+                      " KV tiles), found ", c.key_tile);
+  return c;
+}
+
+size_t split_part_bytes(int split_tiles, int head_dim) {
+  const int cols = head_dim == 64 ? kPartCols<64> : kPartCols<128>;
+  return static_cast<size_t>(split_tiles) * 2 * kBM * cols * sizeof(float);
+}
+size_t split_workspace_bytes(int split_tiles, int head_dim) {
+  return split_tiles == 0 ? 0 : split_part_bytes(split_tiles, head_dim) + static_cast<size_t>(split_tiles) * sizeof(int);
+}
+
 template <int D, bool QUANT_P, class KV>
 void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit,
                  cudaStream_t stream) {
@@ -605,8 +828,33 @@ void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, co
     VQAD_LAUNCH_CHECK(why.empty(), op, shape_str(p), "tensor ", names[i], ": ", why);
   }
   VQAD_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>));
-  const FwdKernelParams kp{p.o.data, p.o_hp.data, p.o.stride, p.o_hp.stride, p.m, p.l, p.heads, p.len_q, p.len_kv};
-  const dim3 grid((p.len_q + kBM - 1) / kBM, p.heads, p.batch);
+  FwdKernelParams kp{p.o.data, p.o_hp.data, p.o.stride, p.o_hp.stride, p.m, p.l, p.heads, p.len_q, p.len_kv};
+  kp.m_blocks = (p.len_q + kBM - 1) / kBM;
+  dim3 grid(kp.m_blocks, p.heads, p.batch);
+  if constexpr (KV::kSplit) {
+    const int64_t tiles = fwd_query_tiles(p);
+    VQAD_LAUNCH_CHECK(tiles <= 0x3fffffff, op, shape_str(p), "expected at most 2^30 query tiles, found ", tiles);
+    SplitChoice c = split_choice(op, p);
+    const size_t need = split_workspace_bytes(c.tiles, D);
+    if (c.tiles > 0 && (p.workspace == nullptr || p.workspace_bytes < need)) {
+      // A forced split needs its workspace; the planned one is skipped without it.
+      VQAD_LAUNCH_CHECK(p.split_tiles < 0, op, shape_str(p), "split_tiles ", p.split_tiles, ": expected a workspace of ",
+                        need, " bytes, found ", p.workspace_bytes, " bytes at ", p.workspace);
+      c = SplitChoice{};
+    }
+    if (c.tiles > 0)
+      VQAD_LAUNCH_CHECK(reinterpret_cast<uintptr_t>(p.workspace) % 16 == 0, op, shape_str(p),
+                        "expected a 16-byte aligned workspace, found address ", p.workspace);
+    kp.tiles = static_cast<int>(tiles);
+    kp.split_tiles = c.tiles;
+    kp.split_key_tile = c.key_tile;
+    if (c.tiles > 0) {
+      kp.part = static_cast<float*>(p.workspace);
+      kp.part_count = reinterpret_cast<int*>(static_cast<uint8_t*>(p.workspace) + split_part_bytes(c.tiles, D));
+      VQAD_CUDA_CHECK(cudaMemsetAsync(kp.part_count, 0, static_cast<size_t>(c.tiles) * sizeof(int), stream));
+    }
+    grid = dim3(static_cast<unsigned>(tiles + c.tiles), 1, 1);
+  }
   kernel<<<grid, kThreads, kSmemBytes<D>, stream>>>(kp, scale_log2, visit, maps[0], maps[1], maps[2]);
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_fwd_kernel");
 }
@@ -633,6 +881,12 @@ float check_fwd_params(const char* op, const AttnQatFwdParams& p) {
 }
 
 }  // namespace
+
+size_t attn_qat_fwd_workspace_bytes(const AttnQatFwdParams& p) {
+  const float scale_log2 = check_fwd_params(kOp, p);
+  (void)scale_log2;
+  return split_workspace_bytes(split_choice(kOp, p).tiles, p.head_dim);
+}
 
 void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
   const float scale_log2 = check_fwd_params(kOp, p);
