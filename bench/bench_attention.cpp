@@ -257,20 +257,39 @@ nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenc
   nlohmann::json r = {{"B", s.b}, {"H", s.h}, {"L", s.l}, {"D", kD}, {"fwd_flops", flops}, {"bwd_flops", 2.5 * flops}};
   QatRun run(q, k, v, d_out);
   r["vqad_prepass_ms"] = time_ms([&] { run.prepass(); }, o.warmup, o.iters);
-  r["vqad_qat_fwd_kernel_ms"] = time_ms([&] { run.forward(); }, o.warmup, o.iters);
-  {  // the same kernel with no key split of the last wave (attention_qat.h), for the ratio
+  {
+    // The kernel with the key split of the last wave this shape and device plan
+    // (attention_qat.h), the same kernel with none, and pre-pass + kernel, timed in
+    // alternating rounds (the medians of the rounds' medians): the clock drifts over a run
+    // by more than a split changes.
     ka::AttnQatFwdParams whole = run.fwd;
     whole.split_tiles = 0;
-    r["vqad_qat_fwd_kernel_nosplit_ms"] =
-        time_ms([&] { ka::launch_attn_qat_fwd(whole, run.stream()); }, o.warmup, o.iters);
+    std::vector<double> split_ms, whole_ms, both_ms;
+    for (int round = 0; round < 4; ++round) {
+      const auto split = [&] { split_ms.push_back(time_ms([&] { run.forward(); }, o.warmup, o.iters)); };
+      const auto unsplit = [&] {
+        whole_ms.push_back(time_ms([&] { ka::launch_attn_qat_fwd(whole, run.stream()); }, o.warmup, o.iters));
+      };
+      const auto both = [&] {
+        both_ms.push_back(time_ms(
+            [&] {
+              run.prepass();
+              run.forward();
+            },
+            o.warmup, o.iters));
+      };
+      if (round % 2 == 0) split(), unsplit(), both();
+      else both(), unsplit(), split();
+    }
+    const auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return 0.5 * (v[(v.size() - 1) / 2] + v[v.size() / 2]);
+    };
+    r["vqad_qat_fwd_kernel_ms"] = median(split_ms);
+    r["vqad_qat_fwd_kernel_nosplit_ms"] = median(whole_ms);
+    r["vqad_qat_fwd_ms"] = median(both_ms);
     r["vqad_qat_fwd_split"] = run.fwd_workspace.defined();  // this shape and device split some tiles
   }
-  r["vqad_qat_fwd_ms"] = time_ms(
-      [&] {
-        run.prepass();
-        run.forward();
-      },
-      o.warmup, o.iters);
   {  // quantization off on the raw inputs: the kernel as a plain BF16 flash attention
     ka::AttnQatFwdParams plain = run.fwd;
     plain.q = blhd_in(q), plain.k = blhd_in(k), plain.v = blhd_in(v);

@@ -2,7 +2,9 @@
 // bit for bit against nvfp4::fake_quantize and the forward kernel against the CPU
 // reference (at the kernel's BLOCK_N; O and O_hp within the kernel tests' multiple of
 // the BF16 noise floor, tests/support/metrics.h) at small shapes, then times both at
-// the benchmark shapes. CMake target vqad_pg_attn_fwd (-DVQAD_PLAYGROUND=ON), or one
+// the benchmark shapes: the kernel with and without the key split of the last wave in
+// alternating rounds, and the cost of a max-only KV tile (max_only row; the plan's
+// kAttnQatFwdMaxOnlyCost). CMake target vqad_pg_attn_fwd (-DVQAD_PLAYGROUND=ON), or one
 // nvcc command on a GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc -I. \
 //     bench/playground/attn_fwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_fwd_sm90.cu src/vqad/kernels/common/tma.cu \
@@ -263,10 +265,9 @@ void time_shapes() {
     cudaEvent_t e0, e1;
     VQAD_CUDA_CHECK(cudaEventCreate(&e0));
     VQAD_CUDA_CHECK(cudaEventCreate(&e1));
-    auto time = [&](auto&& fn) {
-      for (int i = 0; i < 3; ++i) fn();
+    auto time_once = [&](auto&& fn, int calls) {
       std::vector<float> ms;
-      for (int i = 0; i < 10; ++i) {
+      for (int i = 0; i < calls; ++i) {
         VQAD_CUDA_CHECK(cudaEventRecord(e0));
         fn();
         VQAD_CUDA_CHECK(cudaEventRecord(e1));
@@ -275,45 +276,89 @@ void time_shapes() {
         VQAD_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
         ms.push_back(t);
       }
-      return median(ms);
+      return ms;
+    };
+    auto time = [&](auto&& fn) {
+      for (int i = 0; i < 3; ++i) fn();
+      return median(time_once(fn, 10));
+    };
+    // Two variants timed in alternating rounds (A B B A ...), medians of all their calls:
+    // the clock drifts over a run by more than the difference a split makes.
+    auto time_pair = [&](auto&& fa, auto&& fb) {
+      for (int i = 0; i < 2; ++i) fa(), fb();
+      std::vector<float> a, b;
+      for (int r = 0; r < 8; ++r) {
+        const bool a_first = r % 2 == 0;
+        for (int k = 0; k < 2; ++k) {
+          const bool run_a = (k == 0) == a_first;
+          const std::vector<float> t = run_a ? time_once(fa, 3) : time_once(fb, 3);
+          (run_a ? a : b).insert((run_a ? a : b).end(), t.begin(), t.end());
+        }
+      }
+      return std::pair<float, float>(median(a), median(b));
     };
     const double flops = 4.0 * s.B * s.H * static_cast<double>(s.L) * s.L * kD;
     char shape[48];
     std::snprintf(shape, sizeof(shape), "%d,%d,%d", s.B, s.H, s.L);
     const float t_pre = time([&] { ka::launch_fake_quant_qkv(fq, nullptr); });
     std::printf("%-18s %-10s %10.3f %10s %12.0f\n", shape, "prepass", t_pre, "-", 6.0 * n * 2 / (t_pre * 1e6));
-    // Unsplit (split_tiles 0), then the key split this device's plan makes (if any).
-    fp.split_tiles = 0;
-    fp.quant_p = true;
-    const float t_q = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
-    std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "fwd_qat", t_q, flops / (t_q * 1e9));
-    fp.quant_p = false;
-    const float t_b = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
-    std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "fwd_bf16", t_b, flops / (t_b * 1e9));
-    std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "pre+qat", t_pre + t_q, flops / ((t_pre + t_q) * 1e9));
-    fp.split_tiles = -1;
-    const size_t ws_bytes = ka::attn_qat_fwd_workspace_bytes(fp);
-    if (ws_bytes > 0) {
-      int dev = 0, sms = 0;
-      VQAD_CUDA_CHECK(cudaGetDevice(&dev));
-      VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-      const ka::AttnQatFwdSplit plan = ka::attn_qat_fwd_split_plan(
-          static_cast<int64_t>(s.B) * s.H * ((s.L + ka::kAttnQatBlockM - 1) / ka::kAttnQatBlockM),
-          (s.L + ka::kAttnQatBlockN - 1) / ka::kAttnQatBlockN, sms);
-      uint8_t* ws = dev_alloc<uint8_t>(ws_bytes, 0);
-      fp.workspace = ws, fp.workspace_bytes = ws_bytes;
-      fp.quant_p = true;
-      const float t_qs = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
-      std::printf("%-18s %-10s %10.3f %10.1f   (%d tiles split at KV tile %d, modelled last wave %.2f)\n", shape,
-                  "qat_split", t_qs, flops / (t_qs * 1e9), plan.tiles, plan.key_tile, plan.makespan);
-      fp.quant_p = false;
-      const float t_bs = time([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
-      std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "bf16_split", t_bs, flops / (t_bs * 1e9));
-      fp.workspace = nullptr, fp.workspace_bytes = 0;
-      VQAD_CUDA_CHECK(cudaFree(ws));
-    } else {
-      std::printf("%-18s %-10s (no split planned on this device)\n", shape, "qat_split");
+    const int m_tiles = (s.L + ka::kAttnQatBlockM - 1) / ka::kAttnQatBlockM;
+    const int64_t tiles = static_cast<int64_t>(s.B) * s.H * m_tiles;
+    const int kv_tiles = (s.L + ka::kAttnQatBlockN - 1) / ka::kAttnQatBlockN;
+    ka::AttnQatFwdParams whole = fp, split = fp;
+    whole.split_tiles = 0;
+    split.split_tiles = -1;
+    const size_t ws_bytes = ka::attn_qat_fwd_workspace_bytes(split);
+    // The workspace of a split of every tile (the max-only measurement below) covers any plan.
+    ka::AttnQatFwdParams all = fp;
+    all.split_tiles = static_cast<int>(tiles), all.split_key_tile = 1;
+    const size_t ws_all = ka::attn_qat_fwd_workspace_bytes(all);
+    uint8_t* ws = dev_alloc<uint8_t>(std::max(ws_all, ws_bytes), 0);
+    split.workspace = all.workspace = ws;
+    split.workspace_bytes = ws_bytes, all.workspace_bytes = ws_all;
+    int dev = 0, sms = 0;
+    VQAD_CUDA_CHECK(cudaGetDevice(&dev));
+    VQAD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const ka::AttnQatFwdSplit plan = ka::attn_qat_fwd_split_plan(tiles, kv_tiles, sms);
+    for (const bool quant_p : {true, false}) {
+      whole.quant_p = split.quant_p = quant_p;
+      const char* name = quant_p ? "fwd_qat" : "fwd_bf16";
+      if (ws_bytes == 0) {
+        const float t = time([&] { ka::launch_attn_qat_fwd(whole, nullptr); });
+        std::printf("%-18s %-10s %10.3f %10.1f   (no split planned on this device)\n", shape, name, t,
+                    flops / (t * 1e9));
+        if (quant_p)
+          std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "pre+qat", t_pre + t, flops / ((t_pre + t) * 1e9));
+        continue;
+      }
+      const auto [t_w, t_s] = time_pair([&] { ka::launch_attn_qat_fwd(whole, nullptr); },
+                                        [&] { ka::launch_attn_qat_fwd(split, nullptr); });
+      std::printf("%-18s %-10s %10.3f %10.1f\n", shape, name, t_w, flops / (t_w * 1e9));
+      std::printf("%-18s %-10s %10.3f %10.1f   (%d tiles split at KV tile %d, modelled last wave %.2f; "
+                  "split / unsplit %.3f)\n",
+                  shape, quant_p ? "qat_split" : "bf16_split", t_s, flops / (t_s * 1e9), plan.tiles, plan.key_tile,
+                  plan.makespan, t_s / t_w);
+      if (quant_p)
+        std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "pre+qat", t_pre + t_s, flops / ((t_pre + t_s) * 1e9));
     }
+    // The max-only KV tile's cost (kAttnQatFwdMaxOnlyCost): every tile split, at KV tile 1
+    // and at the last one. Both runs do the same full tiles and combines; the second also
+    // runs kv_tiles - 2 more max-only tiles per query tile. With many waves the time is
+    // proportional to the work, so cost = (t_late - t_early) / (kv_tiles - 2) per query
+    // tile over the unsplit time per KV tile (t_whole / kv_tiles).
+    if (tiles >= 8 * sms && kv_tiles >= 4) {
+      all.quant_p = whole.quant_p = true;
+      ka::AttnQatFwdParams late = all;
+      late.split_key_tile = kv_tiles - 1;
+      const auto [t_early, t_late] = time_pair([&] { ka::launch_attn_qat_fwd(all, nullptr); },
+                                               [&] { ka::launch_attn_qat_fwd(late, nullptr); });
+      const float t_w = time([&] { ka::launch_attn_qat_fwd(whole, nullptr); });
+      const double cost = (t_late - t_early) / (kv_tiles - 2) / (t_w / kv_tiles);
+      std::printf("%-18s %-10s %10.3f ms split all at 1, %.3f ms at %d, unsplit %.3f ms: max-only KV tile "
+                  "%.3f of a full one (model: %.2f)\n",
+                  shape, "max_only", t_early, t_late, kv_tiles - 1, t_w, cost, ka::kAttnQatFwdMaxOnlyCost);
+    }
+    VQAD_CUDA_CHECK(cudaFree(ws));
     fp.split_tiles = 0;
     VQAD_CUDA_CHECK(cudaEventDestroy(e0));
     VQAD_CUDA_CHECK(cudaEventDestroy(e1));

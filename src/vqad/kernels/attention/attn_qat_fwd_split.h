@@ -19,7 +19,9 @@
 namespace vqad::kernels::attention {
 
 // Cost of a Q^ K^T + row-max KV tile against a full one: one of the three products, none
-// of the exp2 / quantization work. An estimate; docs/performance.md has the measured one.
+// of the exp2 / quantization work. Measured 0.256 on an H200 (the forward playground's
+// `time` prints it as the max_only row; docs/performance.md, "Key split of the forward's
+// last wave").
 inline constexpr double kAttnQatFwdMaxOnlyCost = 0.25;
 
 struct AttnQatFwdSplit {
