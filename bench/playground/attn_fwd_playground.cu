@@ -10,7 +10,8 @@
 //     bench/playground/attn_fwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_fwd_sm90.cu src/vqad/kernels/common/tma.cu \
 //     src/vqad/kernels/attention/fake_quant_qkv.cu src/vqad/kernels/common/device.cu \
 //     src/vqad/numerics/attention_qat_ref.cpp src/vqad/numerics/nvfp4.cpp -o /tmp/attn_fwd_pg
-//   /tmp/attn_fwd_pg [check] [time] [d64]   (d64: head dim 64 instead of 128)
+//   /tmp/attn_fwd_pg [check] [time] [d64] [sweep]   (d64: head dim 64 instead of 128;
+//   sweep: time also times the planned split at neighbouring key tiles)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -36,6 +37,8 @@ namespace {
 
 // Head dim of every case: 128, or 64 with the argument d64.
 int kD = 128;
+// With the argument sweep, `time` also times the planned split at neighbouring key tiles.
+bool g_sweep = false;
 
 // BF16 conversions, rel-L2 and the noise-floor tolerance of the kernel tests (tests/support).
 uint16_t to_bf16_bits(float x) { return vqad::test::bf16_bits(x); }
@@ -358,6 +361,37 @@ void time_shapes() {
                   "%.3f of a full one (model: %.2f)\n",
                   shape, "max_only", t_early, t_late, kv_tiles - 1, t_w, cost, ka::kAttnQatFwdMaxOnlyCost);
     }
+    // The planned split at key tiles around the plan's, in alternating rounds (how far the
+    // makespan model's choice is from the measured best).
+    if (g_sweep && ws_bytes > 0) {
+      whole.quant_p = split.quant_p = true;
+      std::vector<int> ks;
+      for (int d = -24; d <= 24; d += 6)
+        if (plan.key_tile + d >= 1 && plan.key_tile + d < kv_tiles) ks.push_back(plan.key_tile + d);
+      std::vector<ka::AttnQatFwdParams> variants;
+      for (const int k : ks) {
+        ka::AttnQatFwdParams v = split;
+        v.split_key_tile = k;
+        variants.push_back(v);
+      }
+      variants.push_back(whole);
+      std::vector<std::vector<float>> t(variants.size());
+      for (const auto& v : variants) ka::launch_attn_qat_fwd(v, nullptr);
+      for (int r = 0; r < 6; ++r)
+        for (size_t i0 = 0; i0 < variants.size(); ++i0) {
+          const size_t i = r % 2 == 0 ? i0 : variants.size() - 1 - i0;
+          const std::vector<float> ms = time_once([&] { ka::launch_attn_qat_fwd(variants[i], nullptr); }, 3);
+          t[i].insert(t[i].end(), ms.begin(), ms.end());
+        }
+      const float t_whole = median(t.back());
+      for (size_t i = 0; i < ks.size(); ++i) {
+        const float ms = median(t[i]);
+        std::printf("%-18s %-10s %10.3f %10.1f   (%d tiles at KV tile %d%s, modelled last wave %.2f; / unsplit %.3f)\n",
+                    shape, "sweep", ms, flops / (ms * 1e9), plan.tiles, ks[i], ks[i] == plan.key_tile ? ", planned" : "",
+                    ka::attn_qat_fwd_split_makespan(plan.tiles, sms, ks[i], kv_tiles), ms / t_whole);
+      }
+      std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "sweep_none", t_whole, flops / (t_whole * 1e9));
+    }
     VQAD_CUDA_CHECK(cudaFree(ws));
     fp.split_tiles = 0;
     VQAD_CUDA_CHECK(cudaEventDestroy(e0));
@@ -376,6 +410,7 @@ int main(int argc, char** argv) {
     if (a == "check") do_check = true;
     if (a == "time") do_time = true;
     if (a == "d64") kD = 64;
+    if (a == "sweep") g_sweep = true;
   }
   int failures = 0;
   try {
