@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -264,30 +265,22 @@ nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenc
     // by more than a split changes.
     ka::AttnQatFwdParams whole = run.fwd;
     whole.split_tiles = 0;
-    std::vector<double> split_ms, whole_ms, both_ms;
-    for (int round = 0; round < 4; ++round) {
-      const auto split = [&] { split_ms.push_back(time_ms([&] { run.forward(); }, o.warmup, o.iters)); };
-      const auto unsplit = [&] {
-        whole_ms.push_back(time_ms([&] { ka::launch_attn_qat_fwd(whole, run.stream()); }, o.warmup, o.iters));
-      };
-      const auto both = [&] {
-        both_ms.push_back(time_ms(
-            [&] {
-              run.prepass();
-              run.forward();
-            },
-            o.warmup, o.iters));
-      };
-      if (round % 2 == 0) split(), unsplit(), both();
-      else both(), unsplit(), split();
-    }
-    const auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return 0.5 * (v[(v.size() - 1) / 2] + v[v.size() / 2]);
-    };
-    r["vqad_qat_fwd_kernel_ms"] = median(split_ms);
-    r["vqad_qat_fwd_kernel_nosplit_ms"] = median(whole_ms);
-    r["vqad_qat_fwd_ms"] = median(both_ms);
+    const std::function<void()> variants[] = {
+        [&] { run.forward(); },                                 // the kernel, split as planned
+        [&] { ka::launch_attn_qat_fwd(whole, run.stream()); },  // the kernel, unsplit
+        [&] {                                                   // pre-pass + kernel (split)
+          run.prepass();
+          run.forward();
+        }};
+    std::vector<double> ms[3];
+    for (int round = 0; round < 4; ++round)
+      for (int i0 = 0; i0 < 3; ++i0) {
+        const int i = round % 2 == 0 ? i0 : 2 - i0;
+        ms[i].push_back(time_ms(variants[i], o.warmup, o.iters));
+      }
+    r["vqad_qat_fwd_kernel_ms"] = vqad::bench::median(ms[0]);
+    r["vqad_qat_fwd_kernel_nosplit_ms"] = vqad::bench::median(ms[1]);
+    r["vqad_qat_fwd_ms"] = vqad::bench::median(ms[2]);
     r["vqad_qat_fwd_split"] = run.fwd_workspace.defined();  // this shape and device split some tiles
   }
   {  // quantization off on the raw inputs: the kernel as a plain BF16 flash attention

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -285,20 +286,22 @@ void time_shapes() {
       for (int i = 0; i < 3; ++i) fn();
       return median(time_once(fn, 10));
     };
-    // Two variants timed in alternating rounds (A B B A ...), medians of all their calls:
-    // the clock drifts over a run by more than the difference a split makes.
-    auto time_pair = [&](auto&& fa, auto&& fb) {
-      for (int i = 0; i < 2; ++i) fa(), fb();
-      std::vector<float> a, b;
-      for (int r = 0; r < 8; ++r) {
-        const bool a_first = r % 2 == 0;
-        for (int k = 0; k < 2; ++k) {
-          const bool run_a = (k == 0) == a_first;
-          const std::vector<float> t = run_a ? time_once(fa, 3) : time_once(fb, 3);
-          (run_a ? a : b).insert((run_a ? a : b).end(), t.begin(), t.end());
+    // Variants timed in alternating rounds (in order, then in reverse, ...), 3 calls each a
+    // round, after two warm-up calls each; the median of each variant's calls. The clock
+    // drifts over a run by more than the difference a split makes.
+    auto time_rounds = [&](const std::vector<std::function<void()>>& fns, int rounds) {
+      for (int i = 0; i < 2; ++i)
+        for (const auto& f : fns) f();
+      std::vector<std::vector<float>> t(fns.size());
+      for (int r = 0; r < rounds; ++r)
+        for (size_t i0 = 0; i0 < fns.size(); ++i0) {
+          const size_t i = r % 2 == 0 ? i0 : fns.size() - 1 - i0;
+          const std::vector<float> ms = time_once(fns[i], 3);
+          t[i].insert(t[i].end(), ms.begin(), ms.end());
         }
-      }
-      return std::pair<float, float>(median(a), median(b));
+      std::vector<float> med;
+      for (const auto& v : t) med.push_back(median(v));
+      return med;
     };
     const double flops = 4.0 * s.B * s.H * static_cast<double>(s.L) * s.L * kD;
     char shape[48];
@@ -334,8 +337,10 @@ void time_shapes() {
           std::printf("%-18s %-10s %10.3f %10.1f\n", shape, "pre+qat", t_pre + t, flops / ((t_pre + t) * 1e9));
         continue;
       }
-      const auto [t_w, t_s] = time_pair([&] { ka::launch_attn_qat_fwd(whole, nullptr); },
-                                        [&] { ka::launch_attn_qat_fwd(split, nullptr); });
+      const std::vector<float> t = time_rounds({[&] { ka::launch_attn_qat_fwd(whole, nullptr); },
+                                                [&] { ka::launch_attn_qat_fwd(split, nullptr); }},
+                                               8);
+      const float t_w = t[0], t_s = t[1];
       std::printf("%-18s %-10s %10.3f %10.1f\n", shape, name, t_w, flops / (t_w * 1e9));
       std::printf("%-18s %-10s %10.3f %10.1f   (%d tiles split at KV tile %d, modelled last wave %.2f; "
                   "split / unsplit %.3f)\n",
@@ -353,8 +358,10 @@ void time_shapes() {
       all.quant_p = whole.quant_p = true;
       ka::AttnQatFwdParams late = all;
       late.split_key_tile = kv_tiles - 1;
-      const auto [t_early, t_late] = time_pair([&] { ka::launch_attn_qat_fwd(all, nullptr); },
-                                               [&] { ka::launch_attn_qat_fwd(late, nullptr); });
+      const std::vector<float> t = time_rounds({[&] { ka::launch_attn_qat_fwd(all, nullptr); },
+                                                [&] { ka::launch_attn_qat_fwd(late, nullptr); }},
+                                               8);
+      const float t_early = t[0], t_late = t[1];
       const float t_w = time([&] { ka::launch_attn_qat_fwd(whole, nullptr); });
       const double cost = (t_late - t_early) / (kv_tiles - 2) / (t_w / kv_tiles);
       std::printf("%-18s %-10s %10.3f ms split all at 1, %.3f ms at %d, unsplit %.3f ms: max-only KV tile "
@@ -375,17 +382,12 @@ void time_shapes() {
         variants.push_back(v);
       }
       variants.push_back(whole);
-      std::vector<std::vector<float>> t(variants.size());
-      for (const auto& v : variants) ka::launch_attn_qat_fwd(v, nullptr);
-      for (int r = 0; r < 6; ++r)
-        for (size_t i0 = 0; i0 < variants.size(); ++i0) {
-          const size_t i = r % 2 == 0 ? i0 : variants.size() - 1 - i0;
-          const std::vector<float> ms = time_once([&] { ka::launch_attn_qat_fwd(variants[i], nullptr); }, 3);
-          t[i].insert(t[i].end(), ms.begin(), ms.end());
-        }
-      const float t_whole = median(t.back());
+      std::vector<std::function<void()>> fns;
+      for (const auto& v : variants) fns.push_back([&v] { ka::launch_attn_qat_fwd(v, nullptr); });
+      const std::vector<float> t = time_rounds(fns, 6);
+      const float t_whole = t.back();
       for (size_t i = 0; i < ks.size(); ++i) {
-        const float ms = median(t[i]);
+        const float ms = t[i];
         std::printf("%-18s %-10s %10.3f %10.1f   (%d tiles at KV tile %d%s, modelled last wave %.2f; / unsplit %.3f)\n",
                     shape, "sweep", ms, flops / (ms * 1e9), plan.tiles, ks[i], ks[i] == plan.key_tile ? ", planned" : "",
                     ka::attn_qat_fwd_split_makespan(plan.tiles, sms, ks[i], kv_tiles), ms / t_whole);
