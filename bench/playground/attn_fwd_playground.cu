@@ -11,7 +11,8 @@
 //     src/vqad/kernels/attention/fake_quant_qkv.cu src/vqad/kernels/common/device.cu \
 //     src/vqad/numerics/attention_qat_ref.cpp src/vqad/numerics/nvfp4.cpp -o /tmp/attn_fwd_pg
 //   /tmp/attn_fwd_pg [check] [time] [d64] [sweep]   (d64: head dim 64 instead of 128;
-//   sweep: time also times the planned split at neighbouring key tiles)
+//   sweep: time also times the planned split at neighbouring key tiles; neither check nor
+//   time: both; any other argument is refused)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -406,14 +407,19 @@ void time_shapes() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool do_check = argc < 2, do_time = argc < 2;
+  bool do_check = false, do_time = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "check") do_check = true;
-    if (a == "time") do_time = true;
-    if (a == "d64") kD = 64;
-    if (a == "sweep") g_sweep = true;
+    else if (a == "time") do_time = true;
+    else if (a == "d64") kD = 64;
+    else if (a == "sweep") g_sweep = true;
+    else {
+      std::fprintf(stderr, "attn_fwd_pg: unknown argument %s (expected check, time, d64, sweep)\n", a.c_str());
+      return 2;
+    }
   }
+  if (!do_check && !do_time) do_check = do_time = true;  // neither named: both
   int failures = 0;
   try {
     if (do_check) failures = check();
