@@ -243,7 +243,58 @@ std::string describe(const Results& r, int f) {
   return os.str();
 }
 
+// ex2.approx.ftz (sm90::fast_exp2) is non-decreasing over every non-NaN float, walked in
+// value order: -inf, the negatives up to -0, then +0 up to +inf (2 * 0x7F800001 values,
+// each pair of neighbours compared). The forward takes a 16-key group's amax as the exp2
+// of its largest score (attn_qat_fwd_sm90.cu, group_scale), which is exact only if
+// exp2 is monotone. The reversed function exp2(-x) runs through the same walk and must
+// decrease somewhere, so the walk is seen to compare.
+constexpr uint64_t kOrderedFloats = 2ull * 0x7F800001ull;
+__device__ float ordered_float(uint64_t k) {  // k-th non-NaN float in value order
+  return k <= 0x7F800000ull ? __uint_as_float(0xFF800000u - static_cast<uint32_t>(k))
+                            : __uint_as_float(static_cast<uint32_t>(k - 0x7F800001ull));
+}
+struct MonotoneResults {
+  unsigned long long decreases, reversed_decreases;
+  uint32_t first_step;  // smallest k with exp2(float k) > exp2(float k + 1) (0xFFFFFFFF: none)
+};
+__global__ void exp2_monotone_kernel(MonotoneResults* r) {
+  unsigned long long n = 0, nr = 0;
+  uint32_t first = 0xFFFFFFFFu;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t k = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; k + 1 < kOrderedFloats; k += stride) {
+    const float a = ordered_float(k), b = ordered_float(k + 1);
+    if (vqad::kernels::sm90::fast_exp2(a) > vqad::kernels::sm90::fast_exp2(b)) {
+      ++n;
+      first = min(first, static_cast<uint32_t>(k));  // k < 2^32
+    }
+    if (vqad::kernels::sm90::fast_exp2(-a) > vqad::kernels::sm90::fast_exp2(-b)) ++nr;
+  }
+  if (n) atomicAdd(&r->decreases, n), atomicMin(&r->first_step, first);
+  if (nr) atomicAdd(&r->reversed_decreases, nr);
+}
+
 }  // namespace
+
+TEST(Nvfp4DeviceForms, FastExp2IsMonotoneOverEveryFloat) {
+  MonotoneResults* d = nullptr;
+  VQAD_CUDA_CHECK(cudaMalloc(&d, sizeof(MonotoneResults)));
+  MonotoneResults h{0, 0, 0xFFFFFFFFu};
+  static_assert(kOrderedFloats <= 0x100000000ull, "ordered indices fit in 32 bits");
+  VQAD_CUDA_CHECK(cudaMemcpy(d, &h, sizeof(h), cudaMemcpyHostToDevice));
+  exp2_monotone_kernel<<<4096, 256>>>(d);
+  VQAD_CUDA_CHECK_LAUNCH("exp2_monotone_kernel");
+  VQAD_CUDA_CHECK(cudaDeviceSynchronize());
+  VQAD_CUDA_CHECK(cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  VQAD_CUDA_CHECK(cudaFree(d));
+  uint32_t first_bits = 0;  // the float at the first decreasing step (host form of ordered_float)
+  if (h.first_step != 0xFFFFFFFFu)
+    first_bits = h.first_step <= 0x7F800000u ? 0xFF800000u - h.first_step : h.first_step - 0x7F800001u;
+  std::printf("ex2.approx.ftz: %llu decreasing steps over %llu ordered floats (first from 0x%08X); exp2(-x): %llu\n",
+              h.decreases, static_cast<unsigned long long>(kOrderedFloats), first_bits, h.reversed_decreases);
+  EXPECT_EQ(h.decreases, 0u);
+  EXPECT_GT(h.reversed_decreases, 0u);  // the walk compares
+}
 
 TEST(Nvfp4DeviceForms, EveryNonNegativeFloatMatchesTheScalarForms) {
   Results* d = nullptr;

@@ -296,7 +296,7 @@ namespace vqad::kernels::nvfp4_device {
 __device__ __forceinline__ float div6(float x) {
   const float c = 1.0f / 6.0f;
   const float q0 = x * c;
-  const float r = fmaf(-q0, 6.0f, x);
+  const float r = fmaf(q0, -6.0f, x);  // (not fmaf(-q0, 6, x): ptxas forms -q0 with a second FMUL)
   return fmaf(r, c, q0);
 }
 

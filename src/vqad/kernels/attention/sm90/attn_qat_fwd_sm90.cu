@@ -167,17 +167,36 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   return r;
 }
 
+// Scale of one 16-key group of rows g and g + 8: amax = max P = exp2(fma(gm, c, -m)) with gm
+// the group's largest raw score (group_max). Exact: s -> RN(s * c - m) is non-decreasing
+// for c > 0, and so is ex2.approx.ftz (checked on every non-NaN float by the GPU test of
+// the device forms), so the largest P comes from the largest score (a masked key: -inf ->
+// P = 0). This takes the scale off the exp2 -> amax chain of the group's fragments.
+// table[b] = (bf16x2 bits of (S, S), RN(1/S)) of E4M3 byte b; S = e4m3(amax / 6).
+struct GroupScale {
+  uint32_t S0, S1;   // (S, S) as a bf16 pair, rows g and g + 8
+  float inv0, inv1;  // RN(1 / S)
+};
+__device__ __forceinline__ GroupScale group_scale(float gm0, float gm1, float c, float neg0, float neg1,
+                                                  const float2* table) {
+  const float am0 = fast_exp2(fmaf(gm0, c, neg0));
+  const float am1 = fast_exp2(fmaf(gm1, c, neg1));
+  const uint32_t sbytes = e4m3_bytes2(div6(am0), div6(am1));
+  const float2 s0 = table[sbytes & 0x7F];
+  const float2 s1 = table[(sbytes >> 8) & 0x7F];
+  return GroupScale{__float_as_uint(s0.x), __float_as_uint(s1.x), s0.y, s1.y};
+}
+
 // bf16 fragments of P (pa) and P^ (qa) of one 16-key group, from the S accumulator
-// slices sa (keys 0-7) and sb (keys 8-15). table[b] = (bf16x2 bits of (S, S), RN(1/S)) of
-// E4M3 byte b. P^ = min(e2m1(P / S), 6) * S: the rounding stays in fp32, the saturation
-// and the product by S run on bf16 pairs (exact: the rounded values are small multiples
-// of a power of two, and the product has at most 6 significant bits). P >= 0 and finite;
-// with amax <= 6 * 2^-10 the scale S rounds to 0: 1/S = inf, every element saturates to
-// 6 (0 * inf = NaN included: min.bf16x2 returns the other operand) and 6 * 0 = +0, which
-// is the spec's zero block without a branch.
+// slices sa (keys 0-7) and sb (keys 8-15). P^ = min(e2m1(P / S), 6) * S: the rounding
+// stays in fp32, the saturation and the product by S run on bf16 pairs (exact: the
+// rounded values are small multiples of a power of two, and the product has at most 6
+// significant bits). P >= 0 and finite; with amax <= 6 * 2^-10 the scale S rounds to 0:
+// 1/S = inf, every element saturates to 6 (0 * inf = NaN included: min.bf16x2 returns the
+// other operand) and 6 * 0 = +0, which is the spec's zero block without a branch.
 template <bool QUANT_P>
 __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&sb)[4], float c, float neg0,
-                                            float neg1, const float2* table, uint32_t (&pa)[4], uint32_t (&qa)[4]) {
+                                            float neg1, const GroupScale& sc, uint32_t (&pa)[4], uint32_t (&qa)[4]) {
   float pr[8];
   pr[0] = fast_exp2(fmaf(sa[0], c, neg0));
   pr[1] = fast_exp2(fmaf(sa[1], c, neg0));
@@ -192,23 +211,13 @@ __device__ __forceinline__ void p_fragments(const float (&sa)[4], const float (&
   pa[2] = pack_bf16(pr[2], pr[3]);
   pa[3] = pack_bf16(pr[6], pr[7]);
   if constexpr (QUANT_P) {
-    float am0 = fmaxf(fmaxf(pr[0], pr[1]), fmaxf(pr[2], pr[3]));
-    float am1 = fmaxf(fmaxf(pr[4], pr[5]), fmaxf(pr[6], pr[7]));
-    am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 1));
-    am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 1));
-    am0 = fmaxf(am0, __shfl_xor_sync(0xffffffffu, am0, 2));
-    am1 = fmaxf(am1, __shfl_xor_sync(0xffffffffu, am1, 2));
-    const uint32_t sbytes = e4m3_bytes2(div6(am0), div6(am1));
-    const float2 s0 = table[sbytes & 0x7F];
-    const float2 s1 = table[(sbytes >> 8) & 0x7F];
-    const uint32_t S0 = __float_as_uint(s0.x), S1 = __float_as_uint(s1.x);
     auto q2 = [](float x, float y, float inv, uint32_t S) {
       return mul_bf16x2(sat6_bf16x2(pack_bf16(e2m1_round_unsat(x * inv), e2m1_round_unsat(y * inv))), S);
     };
-    qa[0] = q2(pr[0], pr[1], s0.y, S0);
-    qa[1] = q2(pr[4], pr[5], s1.y, S1);
-    qa[2] = q2(pr[2], pr[3], s0.y, S0);
-    qa[3] = q2(pr[6], pr[7], s1.y, S1);
+    qa[0] = q2(pr[0], pr[1], sc.inv0, sc.S0);
+    qa[1] = q2(pr[4], pr[5], sc.inv1, sc.S1);
+    qa[2] = q2(pr[2], pr[3], sc.inv0, sc.S0);
+    qa[3] = q2(pr[6], pr[7], sc.inv1, sc.S1);
   } else {
 #pragma unroll
     for (int e = 0; e < 4; ++e) qa[e] = pa[e];
@@ -234,15 +243,18 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uin
 // P, P^ of the 16-key groups [KS0, KS1) of S and their P.V and row-sum wgmmas
 // (asynchronous: the tensor cores work on one group while the next group's exp2 and
 // quantization run).
-template <int D, int KS0, int KS1, bool QUANT_P>
-__device__ __forceinline__ void pv_groups(const float (&s)[16][4], float (&acc)[D / 8][4], float (&acch)[D / 8][4],
-                                          float (&lacc)[4], const float (&m_run)[2], float c, uint32_t sV,
-                                          const float2* table, uint64_t ones_desc) {
+// gm: the groups' raw-score maxima (group_max; QUANT_P only).
+template <int D, int KS0, int KS1, bool QUANT_P, int NG>
+__device__ __forceinline__ void pv_groups(const float (&s)[16][4], const float (&gm)[NG][2], float (&acc)[D / 8][4],
+                                          float (&acch)[D / 8][4], float (&lacc)[4], const float (&m_run)[2], float c,
+                                          uint32_t sV, const float2* table, uint64_t ones_desc) {
   const float neg0 = -m_run[0], neg1 = -m_run[1];
 #pragma unroll
   for (int ks = KS0; ks < KS1; ++ks) {
     uint32_t pa[4], qa[4];
-    p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, table, pa, qa);
+    GroupScale sc{};
+    if constexpr (QUANT_P) sc = group_scale(gm[ks][0], gm[ks][1], c, neg0, neg1, table);
+    p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, sc, pa, qa);
     wgmma_fence();
     const uint64_t dv = desc_mn(sV, ks * 16 * 128);
     sm90::wgmma_m64nNk16_rs<D, 1>(flat(acc), qa, dv);
@@ -356,6 +368,22 @@ __device__ __forceinline__ void tile_row_max(const float (&s)[NT][4], float& mx0
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+}
+
+// Largest raw score of each 16-key group (n8 slices 2 ks, 2 ks + 1) of rows g (gm[ks][0])
+// and g + 8 (gm[ks][1]), over the quad; the row max is the max of these (the same value
+// as tile_row_max: max is exact).
+template <int KS>
+__device__ __forceinline__ void group_max(const float (&s)[2 * KS][4], float (&gm)[KS][2]) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    float a0 = fmaxf(fmaxf(s[2 * ks][0], s[2 * ks][1]), fmaxf(s[2 * ks + 1][0], s[2 * ks + 1][1]));
+    float a1 = fmaxf(fmaxf(s[2 * ks][2], s[2 * ks][3]), fmaxf(s[2 * ks + 1][2], s[2 * ks + 1][3]));
+    a0 = fmaxf(a0, __shfl_xor_sync(0xffffffffu, a0, 1));
+    a1 = fmaxf(a1, __shfl_xor_sync(0xffffffffu, a1, 1));
+    gm[ks][0] = fmaxf(a0, __shfl_xor_sync(0xffffffffu, a0, 2));
+    gm[ks][1] = fmaxf(a1, __shfl_xor_sync(0xffffffffu, a1, 2));
+  }
 }
 
 // The two parts of a split tile meet here (both consumer warpgroups of each part run it).
@@ -650,8 +678,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- running max (rows g and g + 8 of this warp) ----
     // The max is taken on the raw dot products: x -> RN(x * c) is monotonic for c > 0,
     // so RN(max * c) is exactly the max of the scaled scores.
+    // With P quantization the maxima of the 16-key groups come first (their scales need
+    // them, group_scale) and give the row max.
     float mx0, mx1;
-    tile_row_max(s, mx0, mx1);
+    float gm[QUANT_P ? kKS : 1][2];
+    if constexpr (QUANT_P) {
+      group_max<kKS>(s, gm);
+      mx0 = gm[0][0], mx1 = gm[0][1];
+#pragma unroll
+      for (int ks = 1; ks < kKS; ++ks) mx0 = fmaxf(mx0, gm[ks][0]), mx1 = fmaxf(mx1, gm[ks][1]);
+    } else {
+      tile_row_max(s, mx0, mx1);
+    }
     mx0 = fmaxf(m_run[0], mx0 * scale_log2);
     mx1 = fmaxf(m_run[1], mx1 * scale_log2);
     const float alpha0 = fast_exp2(m_run[0] - mx0);
@@ -682,9 +720,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- P, P^ and the P.V products, one 16-key group at a time ----
     const uint32_t sV = sV0 + st * kTile;
     sm90::mbar_wait(full_v(st), parity);
-    pv_groups<D, 0, kSkewGroups, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    pv_groups<D, 0, kSkewGroups, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     if (cw == 0 && j == j_begin) sm90::named_barrier_arrive(kStartBarrier, 256);
-    pv_groups<D, kSkewGroups, kKS, QUANT_P>(s, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    pv_groups<D, kSkewGroups, kKS, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     const bool next = kLookahead && j + 1 < j_end;
     if (next) {
       const int nst = (j + 1) % kStages;
