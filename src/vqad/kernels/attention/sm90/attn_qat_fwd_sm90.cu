@@ -14,9 +14,9 @@
 //     wgmma m64n8k16 against a block of ones) queued asynchronously while the next
 //     group's exp2 and quantization run.
 // The consumers meet no CTA-wide barrier: each waits only for its own data and releases
-// each stage when its last read of it has finished. They start half a tile apart (the
-// second waits once, at the start, until the first has queued its first kSkewGroups
-// groups) and then run free, so one's softmax and P quantization overlap the other's
+// each stage when its last read of it has finished. They start apart (the second waits
+// once, at the start, until the first has queued its first kSkewGroups 16-key groups: a
+// quarter of a tile with P quantization, half without) and then run free, so one's softmax and P quantization overlap the other's
 // tensor-core work. Without P quantization (BF16 mode) the accumulators leave room for
 // the next tile's Q^ K^T to be queued behind the current P.V products (kLookahead).
 // docs/performance.md has the measured schedules.
@@ -85,9 +85,14 @@ constexpr int kThreads = 384;            // producer warpgroup + two consumer wa
 constexpr int kConsumerWarps = 8;
 constexpr int kProducerRegs = 24;        // setmaxnreg: 128 x 24 + 256 x 240 <= 64K
 constexpr int kConsumerRegs = 240;
-// 16-key groups the first consumer queues before the second one starts.
-constexpr int kSkewGroups = 4;
-static_assert(kSkewGroups > 0 && kSkewGroups < kBN / 16, "skew: 1 to 7 groups");
+// 16-key groups the first consumer queues before the second one starts (a quarter of a
+// tile with P quantization: 1.5 - 2% faster than half a tile at the benchmark shapes, with
+// 1 and 3 in between; BF16 mode keeps half a tile, as measured before; docs/performance.md).
+template <bool QUANT_P>
+constexpr int kSkewGroups = QUANT_P ? 2 : 4;
+static_assert(kSkewGroups<true> > 0 && kSkewGroups<true> < kBN / 16 && kSkewGroups<false> > 0 &&
+                  kSkewGroups<false> < kBN / 16,
+              "skew: 1 to 7 groups");
 constexpr int kStartBarrier = 1;         // named barrier: consumer 1 may start
 constexpr int kPartBarrier = 2;          // named barrier: both consumers' partial tile written
 // A partial tile's row: acc (D), acch (D), m, l, padded to 16 bytes.
@@ -656,7 +661,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     m_run[0] = fmaxf(m_run[0], mx0 * scale_log2);
     m_run[1] = fmaxf(m_run[1], mx1 * scale_log2);
   }
-  if (cw == 1) sm90::named_barrier_sync(kStartBarrier, 256);  // half a tile behind consumer 0
+  if (cw == 1) sm90::named_barrier_sync(kStartBarrier, 256);  // kSkewGroups behind consumer 0
   // (every KV policy has n_tiles >= 1, and j_begin < j_end)
   if constexpr (kLookahead) {
     const int st = j_begin % kStages;
@@ -720,9 +725,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- P, P^ and the P.V products, one 16-key group at a time ----
     const uint32_t sV = sV0 + st * kTile;
     sm90::mbar_wait(full_v(st), parity);
-    pv_groups<D, 0, kSkewGroups, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    pv_groups<D, 0, kSkewGroups<QUANT_P>, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     if (cw == 0 && j == j_begin) sm90::named_barrier_arrive(kStartBarrier, 256);
-    pv_groups<D, kSkewGroups, kKS, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    pv_groups<D, kSkewGroups<QUANT_P>, kKS, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     const bool next = kLookahead && j + 1 < j_end;
     if (next) {
       const int nst = (j + 1) % kStages;
