@@ -16,9 +16,10 @@
 // The consumers meet no CTA-wide barrier: each waits only for its own data and releases
 // each stage when its last read of it has finished. They start apart (the second waits
 // once, at the start, until the first has queued its first kSkewGroups 16-key groups: a
-// quarter of a tile with P quantization, half without) and then run free, so one's softmax and P quantization overlap the other's
-// tensor-core work. Without P quantization (BF16 mode) the accumulators leave room for
-// the next tile's Q^ K^T to be queued behind the current P.V products (kLookahead).
+// quarter of a tile with P quantization, half without) and then run free, so one's
+// softmax and P quantization overlap the other's tensor-core work. Without P quantization
+// (BF16 mode) the accumulators leave room for the next tile's Q^ K^T to be queued behind
+// the current P.V products (kLookahead).
 // docs/performance.md has the measured schedules.
 //
 // Key split of the last wave (dense KV; attention_qat.h, attn_qat_fwd_split.h): the grid is
@@ -86,8 +87,9 @@ constexpr int kConsumerWarps = 8;
 constexpr int kProducerRegs = 24;        // setmaxnreg: 128 x 24 + 256 x 240 <= 64K
 constexpr int kConsumerRegs = 240;
 // 16-key groups the first consumer queues before the second one starts (a quarter of a
-// tile with P quantization: 1.5 - 2% faster than half a tile at the benchmark shapes, with
-// 1 and 3 in between; BF16 mode keeps half a tile, as measured before; docs/performance.md).
+// tile with P quantization: 1 - 2% faster than half a tile at the 31.2k-token shapes, and
+// faster than 1, 3 or 6; BF16 mode keeps half a tile, as measured before;
+// docs/performance.md).
 template <bool QUANT_P>
 constexpr int kSkewGroups = QUANT_P ? 2 : 4;
 static_assert(kSkewGroups<true> > 0 && kSkewGroups<true> < kBN / 16 && kSkewGroups<false> > 0 &&
@@ -173,10 +175,12 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
 }
 
 // Scale of one 16-key group of rows g and g + 8: amax = max P = exp2(fma(gm, c, -m)) with gm
-// the group's largest raw score (group_max). Exact: s -> RN(s * c - m) is non-decreasing
-// for c > 0, and so is ex2.approx.ftz (checked on every non-NaN float by the GPU test of
-// the device forms), so the largest P comes from the largest score (a masked key: -inf ->
-// P = 0). This takes the scale off the exp2 -> amax chain of the group's fragments.
+// the group's largest raw score (group_max). Exact for finite scores and masked ones
+// (-inf -> P = 0): s -> RN(s * c - m) is non-decreasing for c > 0, and so is
+// ex2.approx.ftz (checked on every non-NaN float by the GPU test of the device forms), so
+// the largest P comes from the largest score. (A score that overflowed to +inf makes the
+// row's output NaN either way.) This takes the scale off the exp2 -> amax chain of the
+// group's fragments.
 // table[b] = (bf16x2 bits of (S, S), RN(1/S)) of E4M3 byte b; S = e4m3(amax / 6).
 struct GroupScale {
   uint32_t S0, S1;   // (S, S) as a bf16 pair, rows g and g + 8
@@ -725,9 +729,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- P, P^ and the P.V products, one 16-key group at a time ----
     const uint32_t sV = sV0 + st * kTile;
     sm90::mbar_wait(full_v(st), parity);
-    pv_groups<D, 0, kSkewGroups<QUANT_P>, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    constexpr int kSkew = kSkewGroups<QUANT_P>;
+    pv_groups<D, 0, kSkew, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     if (cw == 0 && j == j_begin) sm90::named_barrier_arrive(kStartBarrier, 256);
-    pv_groups<D, kSkewGroups<QUANT_P>, kKS, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    pv_groups<D, kSkew, kKS, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     const bool next = kLookahead && j + 1 < j_end;
     if (next) {
       const int nst = (j + 1) % kStages;
