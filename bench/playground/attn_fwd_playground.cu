@@ -10,7 +10,7 @@
 //     bench/playground/attn_fwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_fwd_sm90.cu src/vqad/kernels/common/tma.cu \
 //     src/vqad/kernels/attention/fake_quant_qkv.cu src/vqad/kernels/common/device.cu \
 //     src/vqad/numerics/attention_qat_ref.cpp src/vqad/numerics/nvfp4.cpp -o /tmp/attn_fwd_pg
-//   /tmp/attn_fwd_pg [check] [time] [d64] [sweep]   (d64: head dim 64 instead of 128;
+//   /tmp/attn_fwd_pg [check] [time] [d64] [sweep] [digest]   (d64: head dim 64 instead of 128;
 //   sweep: time also times the planned split at neighbouring key tiles; digest: time also
 //   prints a hash of each QAT run's outputs, to compare two kernel builds bit for bit;
 //   neither check nor time: both; any other argument is refused)
@@ -357,50 +357,41 @@ void time_shapes() {
                     static_cast<unsigned long long>(hsh));
       }
     }
+    // The kernel unsplit and (where this device plans one) split; with P quantization also
+    // the pre-pass and the planned kernel in one timing, as bench attention's "qat fwd", and
+    // the same with the host waiting for the pre-pass in between.
+    const ka::AttnQatFwdParams& planned = ws_bytes > 0 ? split : whole;
     for (const bool quant_p : {true, false}) {
       whole.quant_p = split.quant_p = quant_p;
-      const char* name = quant_p ? "fwd_qat" : "fwd_bf16";
-      if (ws_bytes == 0) {
-        std::vector<std::function<void()>> fns = {[&] { ka::launch_attn_qat_fwd(whole, nullptr); }};
-        if (quant_p)
-          fns.push_back([&] {
-            ka::launch_fake_quant_qkv(fq, nullptr);
-            ka::launch_attn_qat_fwd(whole, nullptr);
-          });
-        const std::vector<float> t = time_rounds(fns, 8);
-        std::printf("%-18s %-10s %10.3f %10.1f   (no split planned on this device)\n", shape, name, t[0],
-                    flops / (t[0] * 1e9));
-        if (quant_p)
-          std::printf("%-18s %-10s %10.3f %10.1f   (timed together; the parts timed apart add to %.3f)\n", shape,
-                      "pre+qat", t[1], flops / (t[1] * 1e9), t_pre + t[0]);
-        continue;
-      }
-      std::vector<std::function<void()>> fns = {[&] { ka::launch_attn_qat_fwd(whole, nullptr); },
-                                                 [&] { ka::launch_attn_qat_fwd(split, nullptr); }};
-      if (quant_p) {  // pre-pass and kernel in one timing, as bench attention's "qat fwd"
+      std::vector<std::function<void()>> fns = {[&] { ka::launch_attn_qat_fwd(whole, nullptr); }};
+      if (ws_bytes > 0) fns.push_back([&] { ka::launch_attn_qat_fwd(split, nullptr); });
+      const size_t i_pre = fns.size();
+      if (quant_p) {
         fns.push_back([&] {
           ka::launch_fake_quant_qkv(fq, nullptr);
-          ka::launch_attn_qat_fwd(split, nullptr);
+          ka::launch_attn_qat_fwd(planned, nullptr);
         });
-        fns.push_back([&] {  // the same with the host waiting for the pre-pass in between
+        fns.push_back([&] {
           ka::launch_fake_quant_qkv(fq, nullptr);
           VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-          ka::launch_attn_qat_fwd(split, nullptr);
+          ka::launch_attn_qat_fwd(planned, nullptr);
         });
       }
       const std::vector<float> t = time_rounds(fns, 8);
-      const float t_w = t[0], t_s = t[1];
-      std::printf("%-18s %-10s %10.3f %10.1f\n", shape, name, t_w, flops / (t_w * 1e9));
-      std::printf("%-18s %-10s %10.3f %10.1f   (%d tiles split at KV tile %d, modelled last wave %.2f; "
-                  "split / unsplit %.3f)\n",
-                  shape, quant_p ? "qat_split" : "bf16_split", t_s, flops / (t_s * 1e9), plan.tiles, plan.key_tile,
-                  plan.makespan, t_s / t_w);
-      if (quant_p)
+      const float t_w = t[0], t_planned = t[i_pre - 1];
+      std::printf("%-18s %-10s %10.3f %10.1f%s\n", shape, quant_p ? "fwd_qat" : "fwd_bf16", t_w, flops / (t_w * 1e9),
+                  ws_bytes > 0 ? "" : "   (no split planned on this device)");
+      if (ws_bytes > 0)
+        std::printf("%-18s %-10s %10.3f %10.1f   (%d tiles split at KV tile %d, modelled last wave %.2f; "
+                    "split / unsplit %.3f)\n",
+                    shape, quant_p ? "qat_split" : "bf16_split", t_planned, flops / (t_planned * 1e9), plan.tiles,
+                    plan.key_tile, plan.makespan, t_planned / t_w);
+      if (quant_p) {
         std::printf("%-18s %-10s %10.3f %10.1f   (timed together; the parts timed apart add to %.3f)\n", shape,
-                    "pre+qat", t[2], flops / (t[2] * 1e9), t_pre + t_s);
-      if (quant_p)
+                    "pre+qat", t[i_pre], flops / (t[i_pre] * 1e9), t_pre + t_planned);
         std::printf("%-18s %-10s %10.3f %10.1f   (host waits for the pre-pass before the kernel)\n", shape,
-                    "pre|qat", t[3], flops / (t[3] * 1e9));
+                    "pre|qat", t[i_pre + 1], flops / (t[i_pre + 1] * 1e9));
+      }
     }
     // The max-only KV tile's cost (kAttnQatFwdMaxOnlyCost): every tile split, at KV tile 1
     // and at the last one. Both runs do the same full tiles and combines; the second also

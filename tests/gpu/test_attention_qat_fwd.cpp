@@ -161,23 +161,23 @@ void expect_close(const FwdOut& got, const FwdOut& want, const char* what) {
   // The kernel's exp2 (ex2.approx) and the reference's differ in the last fp32 bits, so
   // now and then a P rounds to the neighbouring bf16 value: at most 2^-8 for P <= 1. On a
   // peaky row (l of a few units) one such step is above 1e-3 of l, so the bound is 1e-3
-  // of l or two such steps, whichever is larger (l_rel: the largest |error| / bound * 1e-3).
-  double m_abs = 0, l_rel = 0;
+  // of l or two such steps, whichever is larger (l_err: the largest |error| / bound * 1e-3).
+  double m_abs = 0, l_err = 0;
   for (size_t i = 0; i < got.m.size(); ++i) {
     m_abs = std::max(m_abs, static_cast<double>(std::fabs(got.m[i] - want.m[i])));
     const double bound = std::max(1e-3 * want.l[i], 2.0 * std::ldexp(1.0, -8));
-    l_rel = std::max(l_rel, 1e-3 * std::fabs(got.l[i] - want.l[i]) / bound);
+    l_err = std::max(l_err, 1e-3 * std::fabs(got.l[i] - want.l[i]) / bound);
   }
   ::testing::Test::RecordProperty(std::string(what) + "_o_rel_l2", std::to_string(co.rel));
   std::printf("  %s: O rel L2 %.3e (floor %.3e, tol %.3e), O_hp %.3e (floor %.3e), m max abs %.2e, l max error %.2e "
               "(of bound 1e-3)\n",
-              what, co.rel, co.floor, vqad::test::floor_tolerance(co), chp.rel, chp.floor, m_abs, l_rel);
+              what, co.rel, co.floor, vqad::test::floor_tolerance(co), chp.rel, chp.floor, m_abs, l_err);
   EXPECT_LT(co.first_nonfinite, 0) << what << ": O element " << co.first_nonfinite << " is not finite (unwritten?)";
   EXPECT_LT(chp.first_nonfinite, 0) << what << ": O_hp element " << chp.first_nonfinite << " is not finite";
   EXPECT_LE(co.rel, vqad::test::floor_tolerance(co)) << what << ": O, worst element " << co.worst;
   EXPECT_LE(chp.rel, vqad::test::floor_tolerance(chp)) << what << ": O_hp, worst element " << chp.worst;
   EXPECT_LE(m_abs, 1e-3) << what;
-  EXPECT_LE(l_rel, 1e-3) << what;
+  EXPECT_LE(l_err, 1e-3) << what;
 }
 
 #define REQUIRE_GPU() \

@@ -250,10 +250,10 @@ std::string describe(const Results& r, int f) {
 // exp2 is monotone. The reversed function exp2(-x) runs through the same walk and must
 // decrease somewhere, so the walk is seen to compare.
 constexpr uint64_t kOrderedFloats = 2ull * 0x7F800001ull;
-__device__ float ordered_float(uint64_t k) {  // k-th non-NaN float in value order
-  return k <= 0x7F800000ull ? __uint_as_float(0xFF800000u - static_cast<uint32_t>(k))
-                            : __uint_as_float(static_cast<uint32_t>(k - 0x7F800001ull));
+__host__ __device__ uint32_t ordered_bits(uint64_t k) {  // bits of the k-th non-NaN float in value order
+  return k <= 0x7F800000ull ? 0xFF800000u - static_cast<uint32_t>(k) : static_cast<uint32_t>(k - 0x7F800001ull);
 }
+__device__ float ordered_float(uint64_t k) { return __uint_as_float(ordered_bits(k)); }
 struct MonotoneResults {
   unsigned long long decreases, reversed_decreases;
   uint32_t first_step;  // smallest k with exp2(float k) > exp2(float k + 1) (0xFFFFFFFF: none)
@@ -287,9 +287,7 @@ TEST(Nvfp4DeviceForms, FastExp2IsMonotoneOverEveryFloat) {
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
   VQAD_CUDA_CHECK(cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost));
   VQAD_CUDA_CHECK(cudaFree(d));
-  uint32_t first_bits = 0;  // the float at the first decreasing step (host form of ordered_float)
-  if (h.first_step != 0xFFFFFFFFu)
-    first_bits = h.first_step <= 0x7F800000u ? 0xFF800000u - h.first_step : h.first_step - 0x7F800001u;
+  const uint32_t first_bits = h.first_step != 0xFFFFFFFFu ? ordered_bits(h.first_step) : 0u;  // first decreasing step
   std::printf("ex2.approx.ftz: %llu decreasing steps over %llu ordered floats (first from 0x%08X); exp2(-x): %llu\n",
               h.decreases, static_cast<unsigned long long>(kOrderedFloats), first_bits, h.reversed_decreases);
   EXPECT_EQ(h.decreases, 0u);
