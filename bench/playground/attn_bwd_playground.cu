@@ -8,8 +8,10 @@
 //     src/vqad/kernels/attention/sm90/attn_qat_bwd_wgmma.cu src/vqad/kernels/common/tma.cu \
 //     src/vqad/kernels/common/device.cu src/vqad/numerics/attention_qat_ref.cpp \
 //     src/vqad/numerics/nvfp4.cpp -o /tmp/attn_bwd_pg
-//   /tmp/attn_bwd_pg [check] [time] [quick] [impl=mma|wgmma] [json=<path>]
-// impl= runs one of the two implementations of launch_attn_qat_bwd (default: both).
+//   /tmp/attn_bwd_pg [check] [time] [quick] [digest] [impl=mma|wgmma] [json=<path>]
+// impl= runs one of the two implementations of launch_attn_qat_bwd (default: both);
+// digest: time also prints an FNV-1a hash of each timed run's dQ, dK, dV (fixed inputs), so
+// two builds of a kernel can be shown to give the same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -184,7 +186,16 @@ __global__ void fill_const(float* x, size_t n, float v) {
 
 struct TimeResult {
   double median_ms, min_ms, tflops;
+  uint64_t digest = 0;  // FNV-1a of dQ, dK, dV after the timed calls (g_digest)
 };
+
+bool g_digest = false;
+
+uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = 1469598103934665603ull) {
+  const auto* b = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
 
 TimeResult time_shape(int B, int H, int L, AttnQatBwdPMode mode,
                       vqad::kernels::AttnQatBwdImpl impl, int iters) {
@@ -242,6 +253,15 @@ TimeResult time_shape(int B, int H, int L, AttnQatBwdPMode mode,
   r.tflops = flops / (r.median_ms * 1e-3) / 1e12;
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
+  if (g_digest) {
+    std::vector<uint16_t> host(n);
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 5; i < 8; ++i) {
+      VQAD_CUDA_CHECK(cudaMemcpy(host.data(), buf[i], n * 2, cudaMemcpyDeviceToHost));
+      h = fnv1a(host.data(), n * 2, h);
+    }
+    r.digest = h;
+  }
   for (auto* b : buf) cudaFree(b);
   cudaFree(dm);
   cudaFree(dl);
@@ -264,6 +284,7 @@ int main(int argc, char** argv) {
     else if (a == "time") do_time = true;
     else if (a.rfind("json=", 0) == 0) json_path = a.substr(5);
     else if (a == "quick") quick = true;
+    else if (a == "digest") g_digest = true;
     else if (a == "impl=mma") impls = {vqad::kernels::AttnQatBwdImpl::kMmaSync};
     else if (a == "impl=wgmma") impls = {vqad::kernels::AttnQatBwdImpl::kWgmma};
     else {
@@ -344,16 +365,21 @@ int main(int argc, char** argv) {
     const S shapes[] = {{1, 3, 31200}, {1, 12, 31200}, {1, 12, 8192}};
     int idx = 0;
     for (const S& s : shapes) {
-      for (AttnQatBwdPMode mode : {AttnQatBwdPMode::kConsistent, AttnQatBwdPMode::kNone}) {
+      for (AttnQatBwdPMode mode :
+           {AttnQatBwdPMode::kConsistent, AttnQatBwdPMode::kNone, AttnQatBwdPMode::kFastVideo}) {
         for (auto impl : impls) {
           if (s.H == 12 && s.L == 31200 && mode == AttnQatBwdPMode::kNone) continue;
+          // fastvideo mode only for the digests, at the short shape and (1,3,31200)
+          if (mode == AttnQatBwdPMode::kFastVideo && (!g_digest || (s.H == 12 && s.L == 31200))) continue;
           if (quick && (s.H != 3 || mode != AttnQatBwdPMode::kConsistent)) continue;
           const TimeResult r = time_shape(s.B, s.H, s.L, mode, impl, 20);
           char shape[64];
           std::snprintf(shape, sizeof(shape), "(%d,%d,%d,128)", s.B, s.H, s.L);
-          std::printf("%-22s %-11s %-8s %10.3f %10.3f %10.1f\n", shape,
+          std::printf("%-22s %-11s %-8s %10.3f %10.3f %10.1f", shape,
                       vqad::kernels::attn_qat_bwd_p_mode_name(mode),
                       vqad::kernels::attn_qat_bwd_impl_name(impl), r.median_ms, r.min_ms, r.tflops);
+          if (g_digest) std::printf("  digest %016llx", static_cast<unsigned long long>(r.digest));
+          std::printf("\n");
           char buf[256];
           std::snprintf(buf, sizeof(buf),
                         "%s{\"shape\": [%d,%d,%d,128], \"mode\": \"%s\", \"impl\": \"%s\", "

@@ -219,15 +219,24 @@ using nvfp4_device::scale_reciprocal;
 // kAddMax: the E2M1 rounding's constant by one add-max (e2m1_round_unsat, then the
 // saturation at 6), the same values as e2m1_round_nonneg in one instruction less per element
 // (the dense warp-specialised kernel; the visit-list kernels spill with it).
-template <bool kPostMul, bool kTable = false, bool kAddMax = false>
-__device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const float (&post)[16],
-                                                int lane, uint32_t (&a)[4][4],
-                                                const float2* table = nullptr) {
+//
+// The two halves apart: column16x64_max reduce-scatters the column maxima (z[e] of lane
+// (g, t) is the maximum of column 8g + 2t + e; with key_tail, rows g / g + 8 take part only
+// where ok0 / ok1); fq_columns16x64_from_max quantizes with those maxima as the group amaxes.
+__device__ __forceinline__ void column16x64_max(const float (&x)[8][4], int lane, float (&z)[2],
+                                                bool key_tail = false, bool ok0 = true, bool ok1 = true) {
   float v[16];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    v[2 * j] = fmaxf(x[j][0], x[j][2]);
-    v[2 * j + 1] = fmaxf(x[j][1], x[j][3]);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float lo = x[j][e], hi = x[j][2 + e];
+      if (key_tail) {
+        lo = ok0 ? lo : -INFINITY;
+        hi = ok1 ? hi : -INFINITY;
+      }
+      v[2 * j + e] = fmaxf(lo, hi);
+    }
   }
   const bool h16 = lane & 16, h8 = lane & 8, h4 = lane & 4;
   float u[8];
@@ -244,13 +253,19 @@ __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const fl
     const float keep = h8 ? u[i + 4] : u[i];
     w[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
   }
-  float z[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float send = h4 ? w[i] : w[i + 2];
     const float keep = h4 ? w[i + 2] : w[i];
     z[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
   }
+}
+
+template <bool kPostMul, bool kTable = false, bool kAddMax = false>
+__device__ __forceinline__ void fq_columns16x64_from_max(const float (&x)[8][4], const float (&z)[2],
+                                                         const float (&post)[16], int lane, uint32_t (&a)[4][4],
+                                                         const float2* table = nullptr) {
+  const bool h16 = lane & 16, h8 = lane & 8, h4 = lane & 4;
   // Scales of this lane's two finished columns, as an E4M3 byte pair
   // (amax / 6 in IEEE fp32, then round-to-nearest-even with saturation).
   uint16_t pk;
@@ -305,17 +320,43 @@ __device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const fl
   }
 }
 
+template <bool kPostMul, bool kTable = false, bool kAddMax = false>
+__device__ __forceinline__ void fq_columns16x64(const float (&x)[8][4], const float (&post)[16],
+                                                int lane, uint32_t (&a)[4][4],
+                                                const float2* table = nullptr) {
+  float z[2];
+  column16x64_max(x, lane, z);
+  fq_columns16x64_from_max<kPostMul, kTable, kAddMax>(x, z, post, lane, a, table);
+}
+
 // dK/dV step, element-wise part, for one warp's 16 keys x 64 queries, in two
 // phases so that phase 1 can run while the tensor cores still compute dP^T.
 // st: the 64 queries' {m, 1/l, delta} of this query block.
 //
 // Phase 1: s (raw scores) -> e = exp2(s*c - m) (consistent) or P = e/l (other
 // modes), kept for phase 2; a <- BF16 A fragments of Pb^T.
-template <AttnQatBwdPMode MODE, bool kTable = false, bool kAddMax = false>
+// kRawMax: each group's amax is taken from the raw scores before any exp2, as
+// exp2(fma(max s, c, -m)) (times 1/l in fastvideo mode), so the scales wait on the maxima
+// and not on the column's exp2s. The same value as the maximum of the group's e (or P):
+// s -> RN(s c - m) is non-decreasing for c > 0, so are ex2.approx.ftz (GPU test
+// Nvfp4DeviceForms.FastExp2IsMonotoneOverEveryFloat) and e -> RN(e / l); absent keys
+// (key_tail) are -inf there, whose exp2 is the 0 they have in the other form.
+template <AttnQatBwdPMode MODE, bool kTable = false, bool kAddMax = false, bool kRawMax = false>
 __device__ __forceinline__ void dkdv_phase1(float (&s)[8][4], const float4* st, float c,
                                             bool key_tail, bool key_ok0, bool key_ok1, int lane,
                                             uint32_t (&a)[4][4], const float2* table = nullptr) {
   const int t4 = lane & 3;
+  constexpr bool kRaw = kRawMax && MODE != AttnQatBwdPMode::kNone;
+  float z[2];
+  if constexpr (kRaw) {
+    column16x64_max(s, lane, z, key_tail, key_ok0, key_ok1);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float2 ml = *reinterpret_cast<const float2*>(&st[(lane >> 2) * 8 + 2 * t4 + e]);
+      z[e] = fast_exp2(fmaf(z[e], c, -ml.x));
+      if constexpr (MODE != AttnQatBwdPMode::kConsistent) z[e] *= ml.y;
+    }
+  }
   float inv_l[16];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -338,7 +379,10 @@ __device__ __forceinline__ void dkdv_phase1(float (&s)[8][4], const float4* st, 
       }
     }
   }
-  if constexpr (MODE == AttnQatBwdPMode::kConsistent) {
+  if constexpr (kRaw) {
+    fq_columns16x64_from_max<MODE == AttnQatBwdPMode::kConsistent, kTable, kAddMax>(s, z, inv_l, lane, a,
+                                                                                    table);
+  } else if constexpr (MODE == AttnQatBwdPMode::kConsistent) {
     fq_columns16x64<true, kTable, kAddMax>(s, inv_l, lane, a, table);
   } else if constexpr (MODE == AttnQatBwdPMode::kFastVideo) {
     fq_columns16x64<false, kTable, kAddMax>(s, inv_l, lane, a, table);

@@ -502,7 +502,7 @@ __device__ __forceinline__ void dkdv_ws_body(const KernelParams& p, const CUtens
     wgmma_wait<1>();  // S^T done; dP^T may still run
     fence_regs(flat(s));
 
-    dkdv_phase1<MODE, true, true>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
+    dkdv_phase1<MODE, true, true, true>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < 4; ++kq)
