@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "tests/support/device_buffers.h"
+#include "tests/support/digest.h"
 #include "tests/support/metrics.h"
 #include "vqad/kernels/attention/attention_qat_bwd.h"
 #include "vqad/kernels/common/cuda_check.h"
@@ -191,11 +192,6 @@ struct TimeResult {
 
 bool g_digest = false;
 
-uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = 1469598103934665603ull) {
-  const auto* b = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < bytes; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  return h;
-}
 
 TimeResult time_shape(int B, int H, int L, AttnQatBwdPMode mode,
                       vqad::kernels::AttnQatBwdImpl impl, int iters) {
@@ -255,10 +251,10 @@ TimeResult time_shape(int B, int H, int L, AttnQatBwdPMode mode,
   cudaEventDestroy(e1);
   if (g_digest) {
     std::vector<uint16_t> host(n);
-    uint64_t h = 1469598103934665603ull;
+    uint64_t h = vqad::test::kFnv1aOffset;
     for (int i = 5; i < 8; ++i) {
       VQAD_CUDA_CHECK(cudaMemcpy(host.data(), buf[i], n * 2, cudaMemcpyDeviceToHost));
-      h = fnv1a(host.data(), n * 2, h);
+      h = vqad::test::fnv1a(host.data(), n * 2, h);
     }
     r.digest = h;
   }

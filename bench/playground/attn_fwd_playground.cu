@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/digest.h"
 #include "tests/support/metrics.h"
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/common/cuda_check.h"
@@ -43,12 +44,6 @@ int kD = 128;
 // With the argument sweep, `time` also times the planned split at neighbouring key tiles.
 bool g_sweep = false;
 bool g_digest = false;  // digest: print an FNV-1a hash of each QAT run's O, O_hp, m, l
-
-uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = 1469598103934665603ull) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
 
 // BF16 conversions, rel-L2 and the noise-floor tolerance of the kernel tests (tests/support).
 uint16_t to_bf16_bits(float x) { return vqad::test::bf16_bits(x); }
@@ -347,11 +342,11 @@ void time_shapes() {
         q.quant_p = true;
         ka::launch_attn_qat_fwd(q, nullptr);
         VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-        uint64_t hsh = 1469598103934665603ull;
+        uint64_t hsh = vqad::test::kFnv1aOffset;
         for (const auto& [ptr, bytes] : std::vector<std::pair<const void*, size_t>>{
                  {o, n * 2}, {ohp, n * 2}, {m, rows * 4}, {l, rows * 4}}) {
           VQAD_CUDA_CHECK(cudaMemcpy(buf.data(), ptr, bytes, cudaMemcpyDeviceToHost));
-          hsh = fnv1a(buf.data(), bytes, hsh);
+          hsh = vqad::test::fnv1a(buf.data(), bytes, hsh);
         }
         std::printf("%-18s %-10s %016llx\n", shape, v == &whole ? "digest" : "digest_spl",
                     static_cast<unsigned long long>(hsh));
