@@ -707,7 +707,7 @@ __device__ __forceinline__ void dkdv_visit_body(const KernelParams& p, const CUt
       wgmma_commit();
       wgmma_wait<1>();  // S^T done; dP^T may still run
       fence_regs(flat(s));
-      dkdv_phase1<MODE, true>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
+      dkdv_phase1<MODE, true, false, true>(s, cSt, p.c, key_tail, key_ok0, key_ok1, lane, ap, sScale);
       wgmma_fence();
 #pragma unroll
       for (int kq = 0; kq < 4; ++kq)
