@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "tests/support/device_buffers.h"
-#include "tests/support/digest.h"
 #include "tests/support/metrics.h"
+#include "vqad/core/fnv1a.h"
 #include "vqad/kernels/attention/attention_qat_bwd.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/numerics/attention_qat_ref.h"
@@ -192,7 +192,6 @@ struct TimeResult {
 
 bool g_digest = false;
 
-
 TimeResult time_shape(int B, int H, int L, AttnQatBwdPMode mode,
                       vqad::kernels::AttnQatBwdImpl impl, int iters) {
   const size_t n = static_cast<size_t>(B) * L * H * kD;
@@ -251,10 +250,10 @@ TimeResult time_shape(int B, int H, int L, AttnQatBwdPMode mode,
   cudaEventDestroy(e1);
   if (g_digest) {
     std::vector<uint16_t> host(n);
-    uint64_t h = vqad::test::kFnv1aOffset;
+    uint64_t h = vqad::kFnv1aOffset;
     for (int i = 5; i < 8; ++i) {
       VQAD_CUDA_CHECK(cudaMemcpy(host.data(), buf[i], n * 2, cudaMemcpyDeviceToHost));
-      h = vqad::test::fnv1a(host.data(), n * 2, h);
+      h = vqad::fnv1a(host.data(), n * 2, h);
     }
     r.digest = h;
   }

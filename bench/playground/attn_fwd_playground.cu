@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "tests/support/digest.h"
 #include "tests/support/metrics.h"
+#include "vqad/core/fnv1a.h"
 #include "vqad/kernels/attention/attention_qat.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/numerics/attention_qat_ref.h"
@@ -342,11 +342,11 @@ void time_shapes() {
         q.quant_p = true;
         ka::launch_attn_qat_fwd(q, nullptr);
         VQAD_CUDA_CHECK(cudaDeviceSynchronize());
-        uint64_t hsh = vqad::test::kFnv1aOffset;
+        uint64_t hsh = vqad::kFnv1aOffset;
         for (const auto& [ptr, bytes] : std::vector<std::pair<const void*, size_t>>{
                  {o, n * 2}, {ohp, n * 2}, {m, rows * 4}, {l, rows * 4}}) {
           VQAD_CUDA_CHECK(cudaMemcpy(buf.data(), ptr, bytes, cudaMemcpyDeviceToHost));
-          hsh = vqad::test::fnv1a(buf.data(), bytes, hsh);
+          hsh = vqad::fnv1a(buf.data(), bytes, hsh);
         }
         std::printf("%-18s %-10s %016llx\n", shape, v == &whole ? "digest" : "digest_spl",
                     static_cast<unsigned long long>(hsh));

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "tests/support/device_buffers.h"
-#include "tests/support/digest.h"
+#include "vqad/core/fnv1a.h"
 #include "vqad/kernels/common/cuda_check.h"
 #include "vqad/kernels/vsa/vsa_kernels.h"
 #include "vqad/numerics/vsa_ref.h"
@@ -302,8 +302,8 @@ int run(const Args& a, bool prof) {
     failures += ok ? 0 : 1;
     // FNV-1a of the outputs (fixed-seed inputs): two builds of the kernels give the same
     // hash where their arithmetic is the same.
-    uint64_t digest = vqad::test::kFnv1aOffset;
-    const auto hash = [&](const void* data, size_t bytes) { digest = vqad::test::fnv1a(data, bytes, digest); };
+    uint64_t digest = vqad::kFnv1aOffset;
+    const auto hash = [&](const void* data, size_t bytes) { digest = vqad::fnv1a(data, bytes, digest); };
     for (const auto& x : first.bf16) hash(x.data(), x.size() * sizeof(x[0]));
     hash(first.sel.data(), first.sel.size() * sizeof(first.sel[0]));
     std::printf("%-20s %9.3f %9.3f %12.3f %12.3f  %s, digest %016llx\n", quantize ? "VSA_QAT_TRAIN_C128" : "VSA_TRAIN_C128",

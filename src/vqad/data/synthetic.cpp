@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "vqad/core/error.h"
+#include "vqad/core/fnv1a.h"
 #include "vqad/data/latent_norm.h"
 
 namespace vqad::data {
@@ -23,12 +24,6 @@ uint64_t mix(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
   return x ^ (x >> 31);
-}
-
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
-  return h;
 }
 
 at::Generator gen_for(uint64_t key) { return at::make_generator<at::CPUGeneratorImpl>(mix(key)); }
@@ -150,7 +145,7 @@ ParquetRecord synth_record(const SynthOptions& o, int64_t g) {
   auto text = o.dense_text ? torch::randn({L, o.text_dim}, gen_for(row_key ^ 0xD7ULL)) * 0.05
                            : torch::zeros({L, o.text_dim});
   for (int64_t k = 0; k < std::min(L, real); ++k) {
-    uint64_t key = k + 1 < real ? fnv1a(words[size_t(k)]) : 0xE05ULL;
+    uint64_t key = k + 1 < real ? fnv1a(words[size_t(k)].data(), words[size_t(k)].size()) : 0xE05ULL;
     text[k] = torch::randn({o.text_dim}, gen_for(key ^ 0x7e47ULL)) * 0.2;
   }
   r.text = text;

@@ -1,11 +1,12 @@
-// FNV-1a (64-bit) of raw bytes: the output digests the kernel playgrounds print, so that two
+// FNV-1a (64-bit) of raw bytes, torch-free: the synthetic dataset's per-word text keys
+// (data/synthetic.cpp) and the output digests the kernel playgrounds print, so that two
 // builds of a kernel can be shown to produce the same bits on the same fixed inputs. Chain
-// several buffers by passing the previous value as `h`.
+// several buffers by passing the previous value as `h`. Not a cryptographic hash (sha256.h).
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
-namespace vqad::test {
+namespace vqad {
 
 inline constexpr uint64_t kFnv1aOffset = 1469598103934665603ull;
 
@@ -15,4 +16,4 @@ inline uint64_t fnv1a(const void* data, size_t bytes, uint64_t h = kFnv1aOffset)
   return h;
 }
 
-}  // namespace vqad::test
+}  // namespace vqad
