@@ -2,7 +2,8 @@
 // backward) against LibTorch SDPA with the cuDNN and the flash backends, side by side
 // in one run at the performance-spec shapes (head dim 128 by default, 64 on request).
 // Before timing, the kernels are checked against the CPU reference at a small ragged
-// shape, once per head dim. Prints a table and writes JSON.
+// shape, once per head dim. Every variant of a shape, the peers included, is timed in the
+// same alternating rounds (time_in_rounds). Prints a table and writes JSON.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
@@ -14,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -37,6 +39,7 @@ struct AttentionBenchOptions {
   std::vector<std::string> shapes = {"1,3,31200", "1,12,31200", "1,12,8192"};  // B,H,L[,D] (D: 128 or 64)
   int warmup = 3;
   int iters = 10;
+  int rounds = 4;  // alternating rounds of every variant (time_in_rounds)
   bool backward = true;
   std::string out_dir = "bench_out";
 };
@@ -218,36 +221,97 @@ struct SdpBackendScope {
   }
 };
 
-// SDPA forward and backward times for one backend on BHLD tensors (its native layout).
-void bench_sdpa(const char* name, bool use_flash, bool use_cudnn, const torch::Tensor& q, const torch::Tensor& k,
-                const torch::Tensor& v, const torch::Tensor& d_out, const AttentionBenchOptions& o,
-                nlohmann::json& r) {
-  SdpBackendScope scope(use_flash, use_cudnn);
-  try {
-    torch::NoGradGuard no_grad;
-    r[std::string(name) + "_fwd_ms"] =
-        time_ms([&] { at::scaled_dot_product_attention(q, k, v); }, o.warmup, o.iters);
-  } catch (const std::exception& e) {
-    r[std::string(name) + "_error"] = std::string(e.what()).substr(0, 200);
-    return;
-  }
-  if (!o.backward) return;
-  try {
-    torch::Tensor qg = q.detach().requires_grad_(true), kg = k.detach().requires_grad_(true),
-                  vg = v.detach().requires_grad_(true);
-    torch::Tensor out = at::scaled_dot_product_attention(qg, kg, vg);
-    r[std::string(name) + "_bwd_ms"] = time_ms(
-        [&] {
-          qg.mutable_grad() = torch::Tensor();
-          kg.mutable_grad() = torch::Tensor();
-          vg.mutable_grad() = torch::Tensor();
-          torch::autograd::backward({out}, {d_out}, /*retain_graph=*/true);
-        },
-        o.warmup, o.iters);
-  } catch (const std::exception& e) {
-    r[std::string(name) + "_bwd_error"] = std::string(e.what()).substr(0, 200);
+// One timed variant: `time` returns the median ms of one batch of calls (time_ms).
+struct Variant {
+  std::string key;  // JSON key without "_ms"
+  std::function<double()> time;
+};
+
+// Times the variants in alternating rounds (the order reversed every other round) and
+// stores the median of each variant's round medians under "<key>_ms" and the round
+// medians under "<key>_rounds_ms". Under load the GPU's clock follows its power cap and
+// temperature, and drifts by more than the differences measured (docs/performance.md: on
+// an H100 the QAT forward at (1,12,31200) took 14.0 ms in its first round and 16.2 - 16.8
+// ms later): timed one after the other, a peer timed later in the run would be measured at
+// a lower clock than we are. Alternating rounds expose every variant to the same drift.
+void time_in_rounds(const std::vector<Variant>& vs, int rounds, nlohmann::json& r) {
+  const int n = static_cast<int>(vs.size());
+  std::vector<std::vector<double>> ms(vs.size());
+  for (int round = 0; round < rounds; ++round)
+    for (int i0 = 0; i0 < n; ++i0) {
+      const int i = round % 2 == 0 ? i0 : n - 1 - i0;
+      ms[i].push_back(vs[i].time());
+    }
+  for (int i = 0; i < n; ++i) {
+    r[vs[i].key + "_ms"] = vqad::bench::median(ms[i]);
+    r[vs[i].key + "_rounds_ms"] = ms[i];
   }
 }
+
+// The median over rounds of mine / theirs of the same round ("ratio_<dir>_vs_<peer>_rounds":
+// the drift cancels within a round), next to the ratio of the medians.
+void round_ratios(nlohmann::json& r, const std::string& dir, const std::string& peer) {
+  const std::string mine = "vqad_qat_" + dir + "_rounds_ms", theirs = peer + "_" + dir + "_rounds_ms";
+  if (!r.contains(mine) || !r.contains(theirs)) return;
+  const std::vector<double> a = r[mine].get<std::vector<double>>(), b = r[theirs].get<std::vector<double>>();
+  std::vector<double> q;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) q.push_back(a[i] / b[i]);
+  r["ratio_" + dir + "_vs_" + peer + "_rounds"] = q;
+  r["ratio_" + dir + "_vs_" + peer + "_round_median"] = vqad::bench::median(q);
+}
+
+// SDPA of one backend on BHLD tensors (its native layout): its forward and backward as
+// variants, after one untimed call of each (a backend that refuses the shape leaves
+// "<name>_error" / "<name>_bwd_error" instead). The graph of the timed backward is built
+// here, under the backend's selection.
+struct SdpaPeer {
+  std::string name;
+  bool use_flash, use_cudnn;
+  torch::Tensor q, k, v, d_out, qg, kg, vg, out;
+  bool fwd_ok = false, bwd_ok = false;
+
+  SdpaPeer(std::string name_, bool flash, bool cudnn, const torch::Tensor& q_, const torch::Tensor& k_,
+           const torch::Tensor& v_, const torch::Tensor& do_, bool backward, nlohmann::json& r)
+      : name(std::move(name_)), use_flash(flash), use_cudnn(cudnn), q(q_), k(k_), v(v_), d_out(do_) {
+    SdpBackendScope scope(use_flash, use_cudnn);
+    try {
+      torch::NoGradGuard no_grad;
+      at::scaled_dot_product_attention(q, k, v);
+      fwd_ok = true;
+    } catch (const std::exception& e) {
+      r[name + "_error"] = std::string(e.what()).substr(0, 200);
+      return;
+    }
+    if (!backward) return;
+    try {
+      qg = q.detach().requires_grad_(true), kg = k.detach().requires_grad_(true), vg = v.detach().requires_grad_(true);
+      out = at::scaled_dot_product_attention(qg, kg, vg);
+      backward_call();
+      bwd_ok = true;
+    } catch (const std::exception& e) {
+      r[name + "_bwd_error"] = std::string(e.what()).substr(0, 200);
+    }
+  }
+  void backward_call() {
+    qg.mutable_grad() = torch::Tensor();
+    kg.mutable_grad() = torch::Tensor();
+    vg.mutable_grad() = torch::Tensor();
+    torch::autograd::backward({out}, {d_out}, /*retain_graph=*/true);
+  }
+  Variant forward_variant(const AttentionBenchOptions& o) {
+    return {name + "_fwd", [this, &o] {
+              SdpBackendScope scope(use_flash, use_cudnn);
+              torch::NoGradGuard no_grad;
+              return time_ms([&] { at::scaled_dot_product_attention(q, k, v); }, o.warmup, o.iters);
+            }};
+  }
+  Variant backward_variant(const AttentionBenchOptions& o) {
+    return {name + "_bwd", [this, &o] {
+              SdpBackendScope scope(use_flash, use_cudnn);
+              return time_ms([&] { backward_call(); }, o.warmup, o.iters);
+            }};
+  }
+};
 
 nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenchOptions& o) {
   const int64_t kD = s.d;
@@ -255,50 +319,52 @@ nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenc
   const torch::Tensor q = torch::randn({s.b, s.l, s.h, kD}, bf), k = torch::randn({s.b, s.l, s.h, kD}, bf),
                       v = torch::randn({s.b, s.l, s.h, kD}, bf), d_out = torch::randn({s.b, s.l, s.h, kD}, bf);
   const double flops = 4.0 * s.b * s.h * static_cast<double>(s.l) * s.l * kD;
-  nlohmann::json r = {{"B", s.b}, {"H", s.h}, {"L", s.l}, {"D", kD}, {"fwd_flops", flops}, {"bwd_flops", 2.5 * flops}};
+  nlohmann::json r = {{"B", s.b}, {"H", s.h}, {"L", s.l}, {"D", kD}, {"fwd_flops", flops}, {"bwd_flops", 2.5 * flops},
+                      {"rounds", o.rounds}};
   QatRun run(q, k, v, d_out);
-  r["vqad_prepass_ms"] = time_ms([&] { run.prepass(); }, o.warmup, o.iters);
-  {
-    // The kernel with the key split of the last wave this shape and device plan
-    // (attention_qat.h), the same kernel with none, and pre-pass + kernel, timed in
-    // alternating rounds (the medians of the rounds' medians): the clock drifts over a run
-    // by more than a split changes.
-    ka::AttnQatFwdParams whole = run.fwd;
-    whole.split_tiles = 0;
-    const std::function<void()> variants[] = {
-        [&] { run.forward(); },                                 // the kernel, split as planned
-        [&] { ka::launch_attn_qat_fwd(whole, run.stream()); },  // the kernel, unsplit
-        [&] {                                                   // pre-pass + kernel (split)
-          run.prepass();
-          run.forward();
-        }};
-    std::vector<double> ms[3];
-    for (int round = 0; round < 4; ++round)
-      for (int i0 = 0; i0 < 3; ++i0) {
-        const int i = round % 2 == 0 ? i0 : 2 - i0;
-        ms[i].push_back(time_ms(variants[i], o.warmup, o.iters));
-      }
-    r["vqad_qat_fwd_kernel_ms"] = vqad::bench::median(ms[0]);
-    r["vqad_qat_fwd_kernel_nosplit_ms"] = vqad::bench::median(ms[1]);
-    r["vqad_qat_fwd_ms"] = vqad::bench::median(ms[2]);
-    r["vqad_qat_fwd_split"] = run.fwd_workspace.defined();  // this shape and device split some tiles
-  }
-  {  // quantization off on the raw inputs: the kernel as a plain BF16 flash attention
-    ka::AttnQatFwdParams plain = run.fwd;
-    plain.q = blhd_in(q), plain.k = blhd_in(k), plain.v = blhd_in(v);
-    plain.quant_p = false;
-    r["vqad_bf16_fwd_ms"] = time_ms([&] { ka::launch_attn_qat_fwd(plain, run.stream()); }, o.warmup, o.iters);
-  }
-  if (o.backward && backward_ok) {
+  const bool timed_backward = o.backward && backward_ok;
+  const torch::Tensor qt = q.transpose(1, 2).contiguous(), kt = k.transpose(1, 2).contiguous(),
+                      vt = v.transpose(1, 2).contiguous(), dt = d_out.transpose(1, 2).contiguous();
+  SdpaPeer cudnn("cudnn", false, true, qt, kt, vt, dt, o.backward, r);
+  SdpaPeer flash("flash", true, false, qt, kt, vt, dt, o.backward, r);
+
+  // Forward: the pre-pass alone, the kernel with the key split of the last wave this
+  // shape and device plan (attention_qat.h) and with none, pre-pass + kernel ("qat fwd",
+  // what the ratios use), the kernel as a plain BF16 flash attention, and the peers.
+  ka::AttnQatFwdParams whole = run.fwd;
+  whole.split_tiles = 0;
+  ka::AttnQatFwdParams plain = run.fwd;  // quantization off on the raw inputs
+  plain.q = blhd_in(q), plain.k = blhd_in(k), plain.v = blhd_in(v);
+  plain.quant_p = false;
+  std::vector<Variant> fwd = {
+      {"vqad_prepass", [&] { return time_ms([&] { run.prepass(); }, o.warmup, o.iters); }},
+      {"vqad_qat_fwd_kernel", [&] { return time_ms([&] { run.forward(); }, o.warmup, o.iters); }},
+      {"vqad_qat_fwd_kernel_nosplit",
+       [&] { return time_ms([&] { ka::launch_attn_qat_fwd(whole, run.stream()); }, o.warmup, o.iters); }},
+      {"vqad_qat_fwd", [&] {
+         return time_ms(
+             [&] {
+               run.prepass();
+               run.forward();
+             },
+             o.warmup, o.iters);
+       }},
+      {"vqad_bf16_fwd", [&] { return time_ms([&] { ka::launch_attn_qat_fwd(plain, run.stream()); }, o.warmup, o.iters); }}};
+  if (cudnn.fwd_ok) fwd.push_back(cudnn.forward_variant(o));
+  if (flash.fwd_ok) fwd.push_back(flash.forward_variant(o));
+  time_in_rounds(fwd, o.rounds, r);
+  r["vqad_qat_fwd_split"] = run.fwd_workspace.defined();  // this shape and device split some tiles
+
+  std::vector<Variant> bwd;
+  if (timed_backward) {
     run.prepass();
     run.forward();
     run.setup_backward();
-    r["vqad_qat_bwd_ms"] = time_ms([&] { run.backward(); }, o.warmup, o.iters);
+    bwd.push_back({"vqad_qat_bwd", [&] { return time_ms([&] { run.backward(); }, o.warmup, o.iters); }});
   }
-  const torch::Tensor qt = q.transpose(1, 2).contiguous(), kt = k.transpose(1, 2).contiguous(),
-                      vt = v.transpose(1, 2).contiguous(), dt = d_out.transpose(1, 2).contiguous();
-  bench_sdpa("cudnn", false, true, qt, kt, vt, dt, o, r);
-  bench_sdpa("flash", true, false, qt, kt, vt, dt, o, r);
+  if (cudnn.bwd_ok) bwd.push_back(cudnn.backward_variant(o));
+  if (flash.bwd_ok) bwd.push_back(flash.backward_variant(o));
+  if (!bwd.empty()) time_in_rounds(bwd, o.rounds, r);
   for (const char* key : {"vqad_qat_fwd", "vqad_bf16_fwd", "cudnn_fwd", "flash_fwd"})
     if (r.contains(std::string(key) + "_ms"))
       r[std::string(key) + "_tflops"] = flops / (r[std::string(key) + "_ms"].get<double>() * 1e9);
@@ -310,6 +376,7 @@ nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenc
       const std::string mine = std::string("vqad_qat_") + dir + "_ms", theirs = std::string(peer) + "_" + dir + "_ms";
       if (r.contains(mine) && r.contains(theirs))
         r[std::string("ratio_") + dir + "_vs_" + peer] = r[mine].get<double>() / r[theirs].get<double>();
+      round_ratios(r, dir, peer);
     }
   return r;
 }
@@ -323,7 +390,9 @@ std::string cell(const nlohmann::json& r, const std::string& key) {
 
 int run_attention_bench(const AttentionBenchOptions& o) {
   VQAD_CHECK(torch::cuda::is_available(), "bench attention: needs a CUDA GPU, none is visible");
-  VQAD_CHECK(o.iters >= 1 && o.warmup >= 0, "bench attention: need --iters >= 1 and --warmup >= 0");
+  VQAD_CHECK(o.iters >= 1 && o.warmup >= 0 && o.rounds >= 1,
+             "bench attention: need --iters >= 1, --warmup >= 0 and --rounds >= 1, found ", o.iters, ", ", o.warmup,
+             ", ", o.rounds);
   std::vector<Shape> shapes;
   for (const std::string& s : o.shapes) shapes.push_back(parse_shape(s));
   cudaDeviceProp prop{};
@@ -362,6 +431,17 @@ int run_attention_bench(const AttentionBenchOptions& o) {
     std::printf("%-14s | qat fwd kernel %s ms, with no key split of the last wave %s ms%s\n", "",
                 cell(r, "vqad_qat_fwd_kernel_ms").c_str(), cell(r, "vqad_qat_fwd_kernel_nosplit_ms").c_str(),
                 r.value("vqad_qat_fwd_split", false) ? "" : " (no split planned)");
+    // The ratio of each round's two times (one clock state), median and range over the rounds.
+    const auto spread = [&](const std::string& key) {
+      if (!r.contains(key + "_rounds")) return std::string("-");
+      const std::vector<double> q = r[key + "_rounds"].get<std::vector<double>>();
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "%.3f (%.3f - %.3f)", r[key + "_round_median"].get<double>(),
+                    *std::min_element(q.begin(), q.end()), *std::max_element(q.begin(), q.end()));
+      return std::string(buf);
+    };
+    std::printf("%-14s | per-round ratios, median (range) of %d rounds: fwd/cudnn %s, bwd/cudnn %s\n", "", o.rounds,
+                spread("ratio_fwd_vs_cudnn").c_str(), spread("ratio_bwd_vs_cudnn").c_str());
     results.push_back(std::move(r));
   }
   const nlohmann::json doc = {{"bench", "attention"},
@@ -393,6 +473,8 @@ void register_bench_attention_commands(CLI::App& app) {
   sub->add_option("--shape", opts->shapes, "B,H,L or B,H,L,D (D = 128 or 64; default 128), repeatable")->capture_default_str();
   sub->add_option("--warmup", opts->warmup, "warm-up calls")->capture_default_str();
   sub->add_option("--iters", opts->iters, "timed calls (median reported)")->capture_default_str();
+  sub->add_option("--rounds", opts->rounds, "alternating rounds of all variants (median of the round medians)")
+      ->capture_default_str();
   sub->add_flag("!--no-backward", opts->backward, "skip the backward timings");
   sub->add_option("--out", opts->out_dir, "directory for bench_attention.json")->capture_default_str();
   set_action(sub, [opts] { return run_attention_bench(*opts); });
