@@ -12,7 +12,7 @@
 //     P and P^ per 16-key group in registers, each group's two P.V products (P^ and
 //     bf16(P) as the register A operand, V read MN-major) and its bf16(P) row sums (a
 //     wgmma m64n8k16 against a block of ones) queued asynchronously while the next
-//     group's exp2 and quantization run.
+//     groups' exp2 and quantization run (two groups a step with P quantization).
 // The consumers meet no CTA-wide barrier: each waits only for its own data and releases
 // each stage when its last read of it has finished. They start apart (the second waits
 // once, at the start, until the first has queued its first kSkewGroups 16-key groups: a
@@ -95,6 +95,10 @@ constexpr int kSkewGroups = QUANT_P ? 2 : 4;
 static_assert(kSkewGroups<true> > 0 && kSkewGroups<true> < kBN / 16 && kSkewGroups<false> > 0 &&
                   kSkewGroups<false> < kBN / 16,
               "skew: 1 to 7 groups");
+// 16-key groups per P.V step with P quantization (pv_groups); kSkewGroups<true> and kBN / 16
+// are whole steps.
+constexpr int kPvStepGroups = 2;
+static_assert(kSkewGroups<true> % kPvStepGroups == 0 && (kBN / 16) % kPvStepGroups == 0, "whole P.V steps");
 constexpr int kStartBarrier = 1;         // named barrier: consumer 1 may start
 constexpr int kPartBarrier = 2;          // named barrier: both consumers' partial tile written
 // A partial tile's row: acc (D), acch (D), m, l, padded to 16 bytes.
@@ -250,25 +254,39 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uin
 }
 
 // P, P^ of the 16-key groups [KS0, KS1) of S and their P.V and row-sum wgmmas
-// (asynchronous: the tensor cores work on one group while the next group's exp2 and
-// quantization run).
+// (asynchronous: the tensor cores work on one step while the next step's exp2 and
+// quantization run). With P quantization a step is two groups: their two chains of exp2,
+// scale and E2M1 rounding interleave, which the warps need (a consumer warp waits on those
+// chains' latencies, two warps per scheduler), and their six wgmmas follow one fence. Up
+// to 4% less time at D = 128 (the most at 8192 tokens), 2 - 3% at D = 64 than one group a
+// step; three or four groups spill at D = 128 (docs/performance.md). Without P
+// quantization a step is one group (the BF16 mode's lookahead holds the next S).
 // gm: the groups' raw-score maxima (group_max; QUANT_P only).
 template <int D, int KS0, int KS1, bool QUANT_P, int NG>
 __device__ __forceinline__ void pv_groups(const float (&s)[16][4], const float (&gm)[NG][2], float (&acc)[D / 8][4],
                                           float (&acch)[D / 8][4], float (&lacc)[4], const float (&m_run)[2], float c,
                                           uint32_t sV, const float2* table, uint64_t ones_desc) {
   const float neg0 = -m_run[0], neg1 = -m_run[1];
+  constexpr int kStep = QUANT_P ? kPvStepGroups : 1;
+  static_assert((KS1 - KS0) % kStep == 0, "pv_groups: whole steps");
 #pragma unroll
-  for (int ks = KS0; ks < KS1; ++ks) {
-    uint32_t pa[4], qa[4];
-    GroupScale sc{};
-    if constexpr (QUANT_P) sc = group_scale(gm[ks][0], gm[ks][1], c, neg0, neg1, table);
-    p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, sc, pa, qa);
+  for (int ks0 = KS0; ks0 < KS1; ks0 += kStep) {
+    uint32_t pa[kStep][4], qa[kStep][4];
+#pragma unroll
+    for (int u = 0; u < kStep; ++u) {
+      const int ks = ks0 + u;
+      GroupScale sc{};
+      if constexpr (QUANT_P) sc = group_scale(gm[ks][0], gm[ks][1], c, neg0, neg1, table);
+      p_fragments<QUANT_P>(s[2 * ks], s[2 * ks + 1], c, neg0, neg1, sc, pa[u], qa[u]);
+    }
     wgmma_fence();
-    const uint64_t dv = desc_mn(sV, ks * 16 * 128);
-    sm90::wgmma_m64nNk16_rs<D, 1>(flat(acc), qa, dv);
-    if constexpr (QUANT_P) sm90::wgmma_m64nNk16_rs<D, 1>(flat(acch), pa, dv);
-    wgmma_m64n8k16_rs(lacc, pa, ones_desc);
+#pragma unroll
+    for (int u = 0; u < kStep; ++u) {
+      const uint64_t dv = desc_mn(sV, (ks0 + u) * 16 * 128);
+      sm90::wgmma_m64nNk16_rs<D, 1>(flat(acc), qa[u], dv);
+      if constexpr (QUANT_P) sm90::wgmma_m64nNk16_rs<D, 1>(flat(acch), pa[u], dv);
+      wgmma_m64n8k16_rs(lacc, pa[u], ones_desc);
+    }
   }
   wgmma_commit();
 }
