@@ -95,10 +95,9 @@ constexpr int kSkewGroups = QUANT_P ? 2 : 4;
 static_assert(kSkewGroups<true> > 0 && kSkewGroups<true> < kBN / 16 && kSkewGroups<false> > 0 &&
                   kSkewGroups<false> < kBN / 16,
               "skew: 1 to 7 groups");
-// 16-key groups per P.V step with P quantization (pv_groups); kSkewGroups<true> and kBN / 16
-// are whole steps.
+// 16-key groups per P.V step with P quantization (pv_groups, which checks that its group
+// ranges, split at kSkewGroups<true>, are whole steps).
 constexpr int kPvStepGroups = 2;
-static_assert(kSkewGroups<true> % kPvStepGroups == 0 && (kBN / 16) % kPvStepGroups == 0, "whole P.V steps");
 constexpr int kStartBarrier = 1;         // named barrier: consumer 1 may start
 constexpr int kPartBarrier = 2;          // named barrier: both consumers' partial tile written
 // A partial tile's row: acc (D), acch (D), m, l, padded to 16 bytes.
