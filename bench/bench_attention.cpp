@@ -333,6 +333,9 @@ nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenc
   // what the ratios use), the kernel as a plain BF16 flash attention, and the peers.
   ka::AttnQatFwdParams whole = run.fwd;
   whole.split_tiles = 0;
+  ka::AttnQatFwdParams o_only = run.fwd;  // what a call without gradient runs: no O_hp, m, l
+  o_only.o_hp.data = nullptr;
+  o_only.m = o_only.l = nullptr;
   ka::AttnQatFwdParams plain = run.fwd;  // quantization off on the raw inputs
   plain.q = blhd_in(q), plain.k = blhd_in(k), plain.v = blhd_in(v);
   plain.quant_p = false;
@@ -346,6 +349,14 @@ nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenc
              [&] {
                run.prepass();
                run.forward();
+             },
+             o.warmup, o.iters);
+       }},
+      {"vqad_qat_fwd_nograd", [&] {
+         return time_ms(
+             [&] {
+               run.prepass();
+               ka::launch_attn_qat_fwd(o_only, run.stream());
              },
              o.warmup, o.iters);
        }},
@@ -365,7 +376,7 @@ nlohmann::json bench_shape(const Shape& s, bool backward_ok, const AttentionBenc
   if (cudnn.bwd_ok) bwd.push_back(cudnn.backward_variant(o));
   if (flash.bwd_ok) bwd.push_back(flash.backward_variant(o));
   if (!bwd.empty()) time_in_rounds(bwd, o.rounds, r);
-  for (const char* key : {"vqad_qat_fwd", "vqad_bf16_fwd", "cudnn_fwd", "flash_fwd"})
+  for (const char* key : {"vqad_qat_fwd", "vqad_qat_fwd_nograd", "vqad_bf16_fwd", "cudnn_fwd", "flash_fwd"})
     if (r.contains(std::string(key) + "_ms"))
       r[std::string(key) + "_tflops"] = flops / (r[std::string(key) + "_ms"].get<double>() * 1e9);
   for (const char* key : {"vqad_qat_bwd", "cudnn_bwd", "flash_bwd"})
@@ -431,6 +442,10 @@ int run_attention_bench(const AttentionBenchOptions& o) {
     std::printf("%-14s | qat fwd kernel %s ms, with no key split of the last wave %s ms%s\n", "",
                 cell(r, "vqad_qat_fwd_kernel_ms").c_str(), cell(r, "vqad_qat_fwd_kernel_nosplit_ms").c_str(),
                 r.value("vqad_qat_fwd_split", false) ? "" : " (no split planned)");
+    if (r.contains("vqad_qat_fwd_nograd_ms") && r.contains("cudnn_fwd_ms"))
+      r["ratio_fwd_nograd_vs_cudnn"] = r["vqad_qat_fwd_nograd_ms"].get<double>() / r["cudnn_fwd_ms"].get<double>();
+    std::printf("%-14s | qat fwd without gradient (no O_hp, m, l; pre-pass included) %s ms, /cudnn %s\n", "",
+                cell(r, "vqad_qat_fwd_nograd_ms").c_str(), cell(r, "ratio_fwd_nograd_vs_cudnn").c_str());
     // The ratio of each round's two times (one clock state), median and range over the rounds.
     const auto spread = [&](const std::string& key) {
       if (!r.contains(key + "_rounds")) return std::string("-");

@@ -40,6 +40,7 @@ struct StepBenchOptions {
   std::string attention;  // empty: the default pair of configurations
   std::string linears;    // empty: the default pair of configurations
   bool no_baseline = false;
+  bool qat_full_nograd = false;  // also ATTN_QAT_TRAIN with the full forward in calls without a graph
   double sparsity = 0.9;  // VSA backends: fraction of KV cubes skipped
   int warmup = 1;
   int steps = 3;
@@ -55,7 +56,10 @@ struct StepBenchOptions {
 struct StepConfig {
   std::string attention;  // backend name
   bool nvfp4 = false;     // NVFP4 dynamic linears (nvfp4_qat_train plan)
-  std::string label() const { return attention + (nvfp4 ? " + nvfp4" : " + dense"); }
+  bool full_nograd = false;  // ATTN_QAT_TRAIN: the full forward (O_hp) also without a graph
+  std::string label() const {
+    return attention + (nvfp4 ? " + nvfp4" : " + dense") + (full_nograd ? " (full fwd w/o grad)" : "");
+  }
   bool operator==(const StepConfig&) const = default;
 };
 
@@ -91,6 +95,21 @@ std::vector<StepConfig> configs_of(const StepBenchOptions& o) {
   if (!o.linears.empty()) chosen.nvfp4 = parse_linears(o.linears);
   std::vector<StepConfig> out{chosen};
   if (!o.no_baseline && !(chosen == kBaselineConfig)) out.push_back(kBaselineConfig);
+  return out;
+}
+
+// --qat-full-nograd-forward: the ATTN_QAT_TRAIN configurations again with the full
+// forward (O_hp, m, l) in the first pass of every checkpointed block, right after them.
+std::vector<StepConfig> all_configs_of(const StepBenchOptions& o) {
+  std::vector<StepConfig> out;
+  for (const StepConfig& c : configs_of(o)) {
+    out.push_back(c);
+    if (o.qat_full_nograd && c.attention == "ATTN_QAT_TRAIN") {
+      StepConfig f = c;
+      f.full_nograd = true;
+      out.push_back(f);
+    }
+  }
   return out;
 }
 
@@ -169,6 +188,7 @@ StepResult run_config(const StepConfig& sc, const StepBenchOptions& o, const tor
     ops::AttentionSpec spec;
     spec.backend = parse_step_attention(sc.attention);
     spec.vsa.sparsity = o.sparsity;  // read by the VSA backends only
+    spec.qat.full_forward_without_grad = sc.full_nograd;
     ops::AttentionBackendScope scope(spec);
     m = std::make_shared<model::WanModel>(cfg, mo);
   }
@@ -265,7 +285,7 @@ int run_bench(const StepBenchOptions& o) {
   const model::WanConfig cfg = model::WanConfig::wan_1_3b();
   const int64_t tokens = (o.frames / cfg.patch_size[0]) * (o.height / cfg.patch_size[1]) *
                          (o.width / cfg.patch_size[2]);
-  const std::vector<StepConfig> configs = configs_of(o);
+  const std::vector<StepConfig> configs = all_configs_of(o);
 
   std::vector<StepResult> results;
   FlopCount flops;
@@ -335,14 +355,22 @@ int run_bench(const StepBenchOptions& o) {
                       {"peak_flops", peak ? nlohmann::json(peak_flops) : nlohmann::json(nullptr)},
                       {"device", bench::device_json()},
                       {"runs", runs}};
-  if (results.size() == 2) {
-    const double a = bench::median(results[0].step_ms), b = bench::median(results[1].step_ms);
-    std::printf("step time %s / %s = %.2fx; peak memory %.2fx\n", results[0].config.label().c_str(),
-                results[1].config.label().c_str(), a / b, results[0].peak_gib / results[1].peak_gib);
-    j["ratio"] = {{"of", results[0].config.label()},
-                  {"to", results[1].config.label()},
-                  {"step_time", a / b},
-                  {"peak_memory", results[0].peak_gib / results[1].peak_gib}};
+  // Every configuration against the last one (the baseline), the first's under "ratio".
+  if (results.size() >= 2) {
+    const StepResult& base = results.back();
+    const double b = bench::median(base.step_ms);
+    nlohmann::json ratios = nlohmann::json::array();
+    for (size_t i = 0; i + 1 < results.size(); ++i) {
+      const double a = bench::median(results[i].step_ms);
+      std::printf("step time %s / %s = %.2fx; peak memory %.2fx\n", results[i].config.label().c_str(),
+                  base.config.label().c_str(), a / b, results[i].peak_gib / base.peak_gib);
+      ratios.push_back({{"of", results[i].config.label()},
+                        {"to", base.config.label()},
+                        {"step_time", a / b},
+                        {"peak_memory", results[i].peak_gib / base.peak_gib}});
+    }
+    j["ratio"] = ratios[0];
+    if (ratios.size() > 1) j["ratios"] = ratios;
   }
   const std::string path = bench::write_json(o.out_dir, "step.json", j);
   std::printf("wrote %s\n", path.c_str());
@@ -374,6 +402,9 @@ void register_bench_step_commands(CLI::App& app) {
                   "VSA backends: fraction of KV cubes skipped (model FLOPs and MFU stay dense-equivalent)")
       ->capture_default_str();
   sub->add_option("--linears", opts->linears, "nvfp4 (dynamic NVFP4 QAT linears) | dense");
+  sub->add_flag("--qat-full-nograd-forward", opts->qat_full_nograd,
+                "also time ATTN_QAT_TRAIN with the full forward (O_hp) in the first pass of each checkpointed block, "
+                "as before the forward without O_hp");
   sub->add_flag("--no-baseline", opts->no_baseline,
                 "skip the TORCH_SDPA + dense baseline (no ratio)");
   sub->add_option("--steps", opts->steps, "timed steps (median reported)")->capture_default_str();

@@ -8,7 +8,9 @@
 //     src/vqad/kernels/attention/sm90/attn_qat_bwd_wgmma.cu src/vqad/kernels/common/tma.cu \
 //     src/vqad/kernels/common/device.cu src/vqad/numerics/attention_qat_ref.cpp \
 //     src/vqad/numerics/nvfp4.cpp -o /tmp/attn_bwd_pg
-//   /tmp/attn_bwd_pg [check] [time] [quick] [digest] [impl=mma|wgmma] [json=<path>]
+//   /tmp/attn_bwd_pg [check] [time] [quick] [digest] [impl=mma|wgmma] [shape=B,H,L] [json=<path>]
+// shape= times that shape alone (any B, H, L; D = 128); quick: consistent mode only, at
+// (1,3,31200) unless shape= names another (for profilers).
 // impl= runs one of the two implementations of launch_attn_qat_bwd (default: both);
 // digest: time also prints an FNV-1a hash of each timed run's dQ, dK, dV (fixed inputs), so
 // two builds of a kernel can be shown to give the same bits.
@@ -271,7 +273,8 @@ int main(int argc, char** argv) {
   std::string json_path;
   std::vector<vqad::kernels::AttnQatBwdImpl> impls = {vqad::kernels::AttnQatBwdImpl::kMmaSync,
                                                       vqad::kernels::AttnQatBwdImpl::kWgmma};
-  bool quick = false;  // time only (1,3,31200) consistent (for profilers)
+  bool quick = false;  // time only consistent mode, at (1,3,31200) without shape= (for profilers)
+  int only[3] = {0, 0, 0};  // shape=B,H,L: time that shape alone
   std::setvbuf(stdout, nullptr, _IONBF, 0);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -279,6 +282,13 @@ int main(int argc, char** argv) {
     else if (a == "time") do_time = true;
     else if (a.rfind("json=", 0) == 0) json_path = a.substr(5);
     else if (a == "quick") quick = true;
+    else if (a.rfind("shape=", 0) == 0) {
+      if (std::sscanf(a.c_str() + 6, "%d,%d,%d", &only[0], &only[1], &only[2]) != 3 || only[0] < 1 || only[1] < 1 ||
+          only[2] < 1) {
+        std::fprintf(stderr, "shape= expects B,H,L (each >= 1), found %s\n", a.c_str() + 6);
+        return 2;
+      }
+    }
     else if (a == "digest") g_digest = true;
     else if (a == "impl=mma") impls = {vqad::kernels::AttnQatBwdImpl::kMmaSync};
     else if (a == "impl=wgmma") impls = {vqad::kernels::AttnQatBwdImpl::kWgmma};
@@ -357,7 +367,9 @@ int main(int argc, char** argv) {
     struct S {
       int B, H, L;
     };
-    const S shapes[] = {{1, 3, 31200}, {1, 12, 31200}, {1, 12, 8192}};
+    std::vector<S> shapes = {{1, 3, 31200}, {1, 12, 31200}, {1, 12, 8192}};
+    if (only[0] > 0) shapes = {{only[0], only[1], only[2]}};
+    else if (quick) shapes = {{1, 3, 31200}};
     int idx = 0;
     for (const S& s : shapes) {
       for (AttnQatBwdPMode mode :
@@ -366,7 +378,7 @@ int main(int argc, char** argv) {
           if (s.H == 12 && s.L == 31200 && mode == AttnQatBwdPMode::kNone) continue;
           // fastvideo mode only for the digests, at the short shape and (1,3,31200)
           if (mode == AttnQatBwdPMode::kFastVideo && (!g_digest || (s.H == 12 && s.L == 31200))) continue;
-          if (quick && (s.H != 3 || mode != AttnQatBwdPMode::kConsistent)) continue;
+          if (quick && mode != AttnQatBwdPMode::kConsistent) continue;
           const TimeResult r = time_shape(s.B, s.H, s.L, mode, impl, 20);
           char shape[64];
           std::snprintf(shape, sizeof(shape), "(%d,%d,%d,128)", s.B, s.H, s.L);

@@ -10,7 +10,8 @@
 //     bench/playground/attn_fwd_playground.cu src/vqad/kernels/attention/sm90/attn_qat_fwd_sm90.cu src/vqad/kernels/common/tma.cu \
 //     src/vqad/kernels/attention/fake_quant_qkv.cu src/vqad/kernels/common/device.cu \
 //     src/vqad/numerics/attention_qat_ref.cpp src/vqad/numerics/nvfp4.cpp -o /tmp/attn_fwd_pg
-//   /tmp/attn_fwd_pg [check] [time] [d64] [sweep] [digest]   (d64: head dim 64 instead of 128;
+//   /tmp/attn_fwd_pg [check] [time] [d64] [sweep] [digest] [shape=B,H,L]   (d64: head dim 64 instead of 128;
+//   shape=: time that shape alone;
 //   sweep: time also times the planned split at neighbouring key tiles; digest: time also
 //   prints a hash of each QAT run's outputs, to compare two kernel builds bit for bit;
 //   neither check nor time: both; any other argument is refused)
@@ -237,11 +238,14 @@ float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+int g_only[3] = {0, 0, 0};  // shape=B,H,L: time that shape alone
+
 void time_shapes() {
   struct S {
     int B, H, L;
   };
-  const S shapes[] = {{1, 3, 31200}, {1, 12, 31200}, {1, 12, 8192}};
+  std::vector<S> shapes = {{1, 3, 31200}, {1, 12, 31200}, {1, 12, 8192}};
+  if (g_only[0] > 0) shapes = {{g_only[0], g_only[1], g_only[2]}};
   std::printf("\n%-18s %-10s %10s %10s %12s\n", "shape B,H,L", "kernel", "ms", "TFLOP/s", "GB/s");
   for (const S& s : shapes) {
     const size_t n = static_cast<size_t>(s.B) * s.L * s.H * kD;
@@ -350,6 +354,24 @@ void time_shapes() {
         }
         std::printf("%-18s %-10s %016llx\n", shape, v == &whole ? "digest" : "digest_spl",
                     static_cast<unsigned long long>(hsh));
+        // The same call without O_hp (the kernel that skips the high-precision product)
+        // must give the same O, m and l bits.
+        std::vector<uint8_t> ref_o(n * 2), ref_ml(rows * 8);
+        VQAD_CUDA_CHECK(cudaMemcpy(ref_o.data(), o, n * 2, cudaMemcpyDeviceToHost));
+        VQAD_CUDA_CHECK(cudaMemcpy(ref_ml.data(), m, rows * 4, cudaMemcpyDeviceToHost));
+        VQAD_CUDA_CHECK(cudaMemcpy(ref_ml.data() + rows * 4, l, rows * 4, cudaMemcpyDeviceToHost));
+        VQAD_CUDA_CHECK(cudaMemset(o, 0xff, n * 2));
+        VQAD_CUDA_CHECK(cudaMemset(m, 0xff, rows * 4));
+        VQAD_CUDA_CHECK(cudaMemset(l, 0xff, rows * 4));
+        q.o_hp.data = nullptr;
+        ka::launch_attn_qat_fwd(q, nullptr);
+        VQAD_CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<uint8_t> got_o(n * 2), got_ml(rows * 8);
+        VQAD_CUDA_CHECK(cudaMemcpy(got_o.data(), o, n * 2, cudaMemcpyDeviceToHost));
+        VQAD_CUDA_CHECK(cudaMemcpy(got_ml.data(), m, rows * 4, cudaMemcpyDeviceToHost));
+        VQAD_CUDA_CHECK(cudaMemcpy(got_ml.data() + rows * 4, l, rows * 4, cudaMemcpyDeviceToHost));
+        std::printf("%-18s %-10s %s\n", shape, v == &whole ? "o_only" : "o_only_spl",
+                    got_o == ref_o && got_ml == ref_ml ? "O, m, l identical" : "DIFFERENT");
       }
     }
     // The kernel unsplit and (where this device plans one) split; with P quantization also
@@ -358,6 +380,8 @@ void time_shapes() {
     const ka::AttnQatFwdParams& planned = ws_bytes > 0 ? split : whole;
     for (const bool quant_p : {true, false}) {
       whole.quant_p = split.quant_p = quant_p;
+      ka::AttnQatFwdParams planned_o = planned;  // without O_hp: skips the high-precision product
+      planned_o.o_hp.data = nullptr;
       std::vector<std::function<void()>> fns = {[&] { ka::launch_attn_qat_fwd(whole, nullptr); }};
       if (ws_bytes > 0) fns.push_back([&] { ka::launch_attn_qat_fwd(split, nullptr); });
       const size_t i_pre = fns.size();
@@ -371,6 +395,7 @@ void time_shapes() {
           VQAD_CUDA_CHECK(cudaDeviceSynchronize());
           ka::launch_attn_qat_fwd(planned, nullptr);
         });
+        fns.push_back([&] { ka::launch_attn_qat_fwd(planned_o, nullptr); });
       }
       const std::vector<float> t = time_rounds(fns, 8);
       const float t_w = t[0], t_planned = t[i_pre - 1];
@@ -386,6 +411,8 @@ void time_shapes() {
                     "pre+qat", t[i_pre], flops / (t[i_pre] * 1e9), t_pre + t_planned);
         std::printf("%-18s %-10s %10.3f %10.1f   (host waits for the pre-pass before the kernel)\n", shape,
                     "pre|qat", t[i_pre + 1], flops / (t[i_pre + 1] * 1e9));
+        std::printf("%-18s %-10s %10.3f %10.1f   (the planned kernel without O_hp; / with O_hp %.3f)\n", shape,
+                    "qat_no_hp", t[i_pre + 2], flops / (t[i_pre + 2] * 1e9), t[i_pre + 2] / t_planned);
       }
     }
     // The max-only KV tile's cost (kAttnQatFwdMaxOnlyCost): every tile split, at KV tile 1
@@ -453,8 +480,15 @@ int main(int argc, char** argv) {
     else if (a == "d64") kD = 64;
     else if (a == "sweep") g_sweep = true;
     else if (a == "digest") g_digest = true;
+    else if (a.rfind("shape=", 0) == 0) {
+      if (std::sscanf(a.c_str() + 6, "%d,%d,%d", &g_only[0], &g_only[1], &g_only[2]) != 3 || g_only[0] < 1 ||
+          g_only[1] < 1 || g_only[2] < 1) {
+        std::fprintf(stderr, "attn_fwd_pg: shape= expects B,H,L (each >= 1), found %s\n", a.c_str() + 6);
+        return 2;
+      }
+    }
     else {
-      std::fprintf(stderr, "attn_fwd_pg: unknown argument %s (expected check, time, d64, sweep, digest)\n", a.c_str());
+      std::fprintf(stderr, "attn_fwd_pg: unknown argument %s (expected check, time, d64, sweep, digest, shape=B,H,L)\n", a.c_str());
       return 2;
     }
   }

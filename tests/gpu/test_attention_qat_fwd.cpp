@@ -54,7 +54,12 @@ struct FwdOut {
   std::vector<float> o, o_hp, m, l;
   std::vector<uint16_t> o_bits, o_hp_bits;  // the tensors' elements, contiguous
   size_t poison_damage = 0;                 // storage around the outputs that was written
+  size_t o_hp_written = 0;                  // O_hp storage elements that lost the poison
+  size_t stats_written = 0;                 // m and l bytes that lost the poison
 };
+// Which outputs the call asks for: all of them, all but O_hp (the kernel without the
+// high-precision product; m and l stay), or O alone (what a call without gradient uses).
+enum class Outputs { kAll, kNoOHp, kOOnly };
 
 AttentionInputs normal_inputs(int B, int H, int Lq, int Lkv, float scale, const char* what, int D = kD) {
   return vqad::test::normal_attention_inputs(B, H, Lq, Lkv, D, scale, vqad::test::test_seed(what));
@@ -65,7 +70,7 @@ AttentionInputs normal_inputs(int B, int H, int Lq, int Lkv, float scale, const 
 // split_tiles > 0: the last split_tiles query tiles run split at KV tile split_key_tile
 // (with the workspace the launcher asks for, NaN-poisoned); 0: no split.
 FwdOut run_gpu(const AttentionInputs& in, bool quant_qkv, bool quant_p, bool packed, int split_tiles = 0,
-               int split_key_tile = -1) {
+               int split_key_tile = -1, Outputs outputs = Outputs::kAll) {
   const int kD = static_cast<int>(in.D);
   const size_t row = static_cast<size_t>(in.H) * kD;
   ka::FakeQuantQkvParams fq;
@@ -108,6 +113,8 @@ FwdOut run_gpu(const AttentionInputs& in, bool quant_qkv, bool quant_p, bool pac
   fp.quant_p = quant_p;
   fp.split_tiles = split_tiles;
   fp.split_key_tile = split_key_tile;
+  if (outputs != Outputs::kAll) fp.o_hp.data = nullptr;
+  if (outputs == Outputs::kOOnly) fp.m = fp.l = nullptr;
   DeviceBuffer<uint8_t> ws(split_tiles > 0 ? ka::attn_qat_fwd_workspace_bytes(fp) : 0);
   if (split_tiles > 0) {
     EXPECT_GT(ws.size(), 0u);
@@ -125,6 +132,13 @@ FwdOut run_gpu(const AttentionInputs& in, bool quant_qkv, bool quant_p, bool pac
   r.poison_damage = o.poison_damage(o_raw) + ohp.poison_damage(ohp_raw) + m.sentinel_damage() + l.sentinel_damage();
   r.m = m.download();
   r.l = l.download();
+  for (const uint16_t x : ohp_raw) r.o_hp_written += x != vqad::test::kBf16Poison;
+  for (const auto* v : {&r.m, &r.l})
+    for (const float x : *v) {
+      uint32_t u;
+      std::memcpy(&u, &x, sizeof(u));
+      r.stats_written += u != 0xFFFFFFFFu;
+    }
   return r;
 }
 
@@ -405,6 +419,49 @@ TEST(AttnQatFwdGpu, KeySplitKeepsTheNumerics) {
   }
 }
 
+// Without O_hp (a call that needs no gradient) the QAT kernel skips the high-precision
+// P.V product and, with P quantization, queues the next tile's Q^ K^T behind the P.V
+// products; O (and m, l where asked for) must be the full kernel's bit for bit, and
+// nothing is written to the O_hp storage (nor m, l when they are null).
+TEST(AttnQatFwdGpu, WithoutOHpTheOutputIsTheSameBits) {
+  REQUIRE_GPU();
+  struct Case {
+    const char* what;
+    int B, H, Lq, Lkv, D, split_tiles, key_tile;
+    bool peaky, quant_p;
+  };
+  const Case cases[] = {
+      {"self 1000", 1, 2, 1000, 1000, kD, 0, -1, false, true},
+      {"ragged B2 333x1100", 2, 3, 333, 1100, kD, 0, -1, false, true},
+      {"cross 700x200", 1, 2, 700, 200, kD, 0, -1, false, true},
+      {"peaky 300x1000", 1, 2, 300, 1000, kD, 0, -1, true, true},
+      {"D64 B2 1000x777", 2, 2, 1000, 777, 64, 0, -1, false, true},
+      {"split last 5 B2 333x1100 at 1", 2, 3, 333, 1100, kD, 5, 1, false, true},
+      {"D64 split all 1000x777 at 2", 1, 2, 1000, 777, 64, 16, 2, false, true},
+      {"BF16 P 1000x777", 1, 2, 1000, 777, kD, 0, -1, false, false},
+  };
+  for (const Case& c : cases) {
+    const AttentionInputs in = c.peaky ? peaky_inputs(c.B, c.H, c.Lq, c.Lkv, c.what)
+                                       : normal_inputs(c.B, c.H, c.Lq, c.Lkv, 1.0f, c.what, c.D);
+    const FwdOut all = run_gpu(in, true, c.quant_p, false, c.split_tiles, c.key_tile);
+    expect_close(all, run_ref(in, true, c.quant_p), c.what);
+    for (const Outputs outputs : {Outputs::kNoOHp, Outputs::kOOnly}) {
+      const bool stats = outputs == Outputs::kNoOHp;
+      const FwdOut got = run_gpu(in, true, c.quant_p, false, c.split_tiles, c.key_tile, outputs);
+      const std::string what = std::string(c.what) + (stats ? " (no O_hp)" : " (O alone)");
+      EXPECT_EQ(got.poison_damage, 0u) << what;
+      EXPECT_EQ(got.o_hp_written, 0u) << what << ": O_hp storage written without O_hp";
+      EXPECT_EQ(got.o_bits, all.o_bits) << what;
+      if (stats) {
+        EXPECT_EQ(0, std::memcmp(got.m.data(), all.m.data(), all.m.size() * sizeof(float))) << what;
+        EXPECT_EQ(0, std::memcmp(got.l.data(), all.l.data(), all.l.size() * sizeof(float))) << what;
+      } else {
+        EXPECT_EQ(got.stats_written, 0u) << what << ": m or l written while null";
+      }
+    }
+  }
+}
+
 TEST(AttnQatFwdGpu, KeySplitNeedsItsWorkspaceAndARange) {
   REQUIRE_GPU();
   const int L = 300;
@@ -452,7 +509,7 @@ TEST(AttnQatFwdGpu, UnsupportedShapesAndLayoutsAreClearErrors) {
   EXPECT_NE(msg.find("tensor v: expected strides (b, l, h) that are non-negative multiples of 8"), std::string::npos)
       << msg;
   fp.v.stride.l = 128;
-  fp.o_hp.data = nullptr;  // quant_p needs O_hp for the backward
+  fp.o_hp.stride.h = 100;  // O_hp is checked like O when given
   msg = error_of([&] { ka::launch_attn_qat_fwd(fp, nullptr); });
   EXPECT_NE(msg.find("tensor o_hp"), std::string::npos) << msg;
   ka::FakeQuantQkvParams fq;

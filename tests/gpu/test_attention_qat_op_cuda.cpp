@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "tests/support/errors.h"
+#include "tests/support/metrics.h"
 #include "tests/support/torch_checks.h"
 #include "vqad/core/error.h"
 #include "vqad/model/wan/model.h"
@@ -190,6 +192,52 @@ TEST(AttentionQatOpCuda, HeadDim64MatchesCpuOp) {
   require_gpu();
   expect_cuda_matches_cpu({2, 300, 211, 3, torch::kBFloat16, AttnQatBwdMode::kConsistent, 1.0f, 64}, 31);
   expect_cuda_matches_cpu({1, 97, 520, 2, torch::kFloat32, AttnQatBwdMode::kFastVideo, 2.0f, 64}, 32);
+}
+
+// Without a graph (grad mode off: the first pass of a checkpointed block, sampling; or no
+// input that needs a gradient) the op runs the kernel without the high-precision P.V
+// product and saves nothing; the output must be the graph-recording call's bit for bit.
+TEST(AttentionQatOpCuda, NoGradForwardIsTheSameBits) {
+  require_gpu();
+  struct C {
+    int64_t B, Lq, Lkv, H, D;
+    torch::ScalarType dtype;
+    bool quant_p;
+  };
+  const C cases[] = {{1, 1000, 1000, 2, 128, torch::kBFloat16, true},
+                     {2, 333, 1100, 3, 128, torch::kFloat32, true},
+                     {1, 700, 777, 2, 64, torch::kBFloat16, true},
+                     {1, 500, 500, 2, 128, torch::kBFloat16, false}};
+  for (const C& c : cases) {
+    SCOPED_TRACE("B=" + std::to_string(c.B) + " Lq=" + std::to_string(c.Lq) + " Lkv=" + std::to_string(c.Lkv) +
+                 " D=" + std::to_string(c.D) + (c.quant_p ? "" : " quant_p off"));
+    torch::manual_seed(vqad::test::test_seed("NoGradForwardIsTheSameBits") + c.Lq);
+    const auto opt = torch::TensorOptions().device(torch::kCUDA).dtype(c.dtype);
+    // q, k, v as views of one packed projection (the model's layout)
+    const torch::Tensor qkv = torch::randn({c.B, std::max(c.Lq, c.Lkv), 3, c.H, c.D}, opt);
+    const torch::Tensor q = qkv.select(2, 0).narrow(1, 0, c.Lq);
+    const torch::Tensor k = qkv.select(2, 1).narrow(1, 0, c.Lkv), v = qkv.select(2, 2).narrow(1, 0, c.Lkv);
+    AttnQatOptions opts;
+    opts.quant_p = c.quant_p;
+    vqad::test::poison_cuda_allocator();
+    const Grads with_graph = run_op(leaf(q), leaf(k), leaf(v), torch::randn_like(q), opts);
+    vqad::test::poison_cuda_allocator();
+    torch::Tensor o_nograd;
+    {
+      torch::NoGradGuard no_grad;
+      o_nograd = vqad::ops::attention_qat(leaf(q).requires_grad_(true), leaf(k).requires_grad_(true),
+                                          leaf(v).requires_grad_(true), opts);
+    }
+    EXPECT_FALSE(o_nograd.requires_grad());
+    vqad::test::poison_cuda_allocator();
+    const torch::Tensor o_leaves = vqad::ops::attention_qat(leaf(q), leaf(k), leaf(v), opts);
+    EXPECT_FALSE(o_leaves.requires_grad());
+    torch::cuda::synchronize();
+    EXPECT_EQ(o_nograd.scalar_type(), c.dtype);
+    EXPECT_TRUE(all_finite(o_nograd));
+    EXPECT_TRUE(torch::equal(o_nograd, with_graph.o));
+    EXPECT_TRUE(torch::equal(o_leaves, with_graph.o));
+  }
 }
 
 TEST(AttentionQatOpCuda, HeadDim96IsAClearError) {

@@ -181,6 +181,15 @@ AttnQatBwdMode parse_attn_qat_bwd_mode(const std::string& s) {
 torch::Tensor attention_qat(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const AttnQatOptions& opts) {
   check_inputs(q, k, v, opts);
+#ifdef VQAD_WITH_TORCH_CUDA
+  // No graph is recorded (grad mode off, as in the first pass of an activation-checkpointed
+  // block, or no input needs a gradient): nothing is saved for a backward, and the kernel
+  // skips the high-precision P.V product that only the backward's O_hp needs. The output
+  // is the same bits as with a graph (GPU test AttentionQatOpCuda.NoGradForwardIsTheSameBits).
+  if (q.is_cuda() && !opts.full_forward_without_grad &&
+      !(torch::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())))
+    return attention_qat_cuda_forward(q, k, v, opts, /*for_backward=*/false).o;
+#endif
   return AttnQatFunction::apply(q, k, v, static_cast<int64_t>(opts.block_n), opts.quant_p,
                                 opts.quant_v, opts.quant_qk,
                                 opts.bwd_mode == AttnQatBwdMode::kFastVideo);

@@ -16,6 +16,10 @@ struct AttnQatOptions {
   bool quant_v = true;
   bool quant_qk = true;   // Q and K fake-quantized (false only for tests/ablations)
   AttnQatBwdMode bwd_mode = AttnQatBwdMode::kConsistent;
+  // A CUDA call that records no graph runs the kernel without O_hp (same output bits,
+  // less work); true runs the full forward anyway, for same-run comparisons
+  // (bench step --qat-full-nograd-forward). Not a config key.
+  bool full_forward_without_grad = false;
 };
 
 AttnQatBwdMode parse_attn_qat_bwd_mode(const std::string& s);  // "consistent" | "fastvideo"

@@ -111,7 +111,8 @@ void run_launcher(const char* what, const std::string& context, Fn&& fn) {
 }  // namespace
 
 AttnQatCudaForward attention_qat_cuda_forward(const torch::Tensor& q, const torch::Tensor& k,
-                                              const torch::Tensor& v, const AttnQatOptions& opts) {
+                                              const torch::Tensor& v, const AttnQatOptions& opts,
+                                              bool for_backward) {
   check_supported(q, k, v, opts);
   const c10::cuda::CUDAGuard guard(q.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(q.get_device()).stream();
@@ -145,19 +146,21 @@ AttnQatCudaForward attention_qat_cuda_forward(const torch::Tensor& q, const torc
   run_launcher("Q/K/V fake-quant pre-pass", context, [&] { ka::launch_fake_quant_qkv(fq, stream); });
 
   torch::Tensor o = torch::empty({B, Lq, H, D}, bf16);
-  // O_hp is written in every mode (with quant_p off it equals O) so the backward
-  // always finds the tensor its delta pre-pass reads.
-  r.o_hp = torch::empty({B, Lq, H, D}, bf16);
-  r.m = torch::empty({B, H, Lq}, f32);
-  r.l = torch::empty({B, H, Lq}, f32);
   ka::AttnQatFwdParams fp;
   fp.q = blhd_in(r.q_hat);
   fp.k = blhd_in(r.k_hat);
   fp.v = blhd_in(r.v_hat);
   fp.o = blhd_out(o);
-  fp.o_hp = blhd_out(r.o_hp);
-  fp.m = r.m.data_ptr<float>();
-  fp.l = r.l.data_ptr<float>();
+  if (for_backward) {
+    // O_hp is written in every mode (with quant_p off it equals O) so the backward
+    // always finds the tensor its delta pre-pass reads.
+    r.o_hp = torch::empty({B, Lq, H, D}, bf16);
+    r.m = torch::empty({B, H, Lq}, f32);
+    r.l = torch::empty({B, H, Lq}, f32);
+    fp.o_hp = blhd_out(r.o_hp);
+    fp.m = r.m.data_ptr<float>();
+    fp.l = r.l.data_ptr<float>();
+  }  // else O alone: o_hp, m and l null (the kernel without the high-precision product)
   fp.batch = static_cast<int>(B);
   fp.heads = static_cast<int>(H);
   fp.len_q = static_cast<int>(Lq);
@@ -178,6 +181,7 @@ AttnQatCudaForward attention_qat_cuda_forward(const torch::Tensor& q, const torc
   run_launcher("forward", context, [&] { ka::launch_attn_qat_fwd(fp, stream); });
 
   r.o = q.scalar_type() == torch::kBFloat16 ? o : o.to(q.scalar_type());
+  if (!for_backward) r.q_hat = r.k_hat = r.v_hat = torch::Tensor();  // released with the call
   return r;
 }
 

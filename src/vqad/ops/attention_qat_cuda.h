@@ -22,8 +22,12 @@ struct AttnQatCudaForward {
 // q [B, Lq, H, D], k/v [B, Lkv, H, D] on one CUDA device, any floating dtype (cast
 // to BF16 first), BLHD views with any strides. Errors name device, arch and shape
 // when the device is not sm_90, D is not 64 or 128, or opts.block_n != the kernel's BLOCK_N.
+// for_backward = false (a call that records no graph): only o is returned, the other
+// fields stay undefined, and the kernel skips the high-precision P.V product that O_hp
+// needs; o is the same bits either way.
 AttnQatCudaForward attention_qat_cuda_forward(const torch::Tensor& q, const torch::Tensor& k,
-                                              const torch::Tensor& v, const AttnQatOptions& opts);
+                                              const torch::Tensor& v, const AttnQatOptions& opts,
+                                              bool for_backward = true);
 
 struct AttnQatCudaGrads {
   torch::Tensor dq, dk, dv;

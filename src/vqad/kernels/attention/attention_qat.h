@@ -54,7 +54,9 @@ struct AttnQatFwdParams {
   BlhdIn k;      // K^ BF16 [B, Lkv, H, D]
   BlhdIn v;      // V^ BF16 [B, Lkv, H, D]
   BlhdOut o;     // BF16 [B, Lq, H, D]: sum_j bf16(P^_j) V_j / l
-  BlhdOut o_hp;  // BF16 [B, Lq, H, D]: sum_j bf16(P_j) V_j / l (data may be null)
+  // BF16 [B, Lq, H, D]: sum_j bf16(P_j) V_j / l. May be null: with quant_p the kernel then
+  // skips the high-precision P.V product (a call that needs no gradient); O is the same bits.
+  BlhdOut o_hp;
   float* m = nullptr;  // FP32 [B, H, Lq] contiguous: final row max of s (log2 domain); may be null
   float* l = nullptr;  // FP32 [B, H, Lq] contiguous: sum of bf16(P) against that max; may be null
   int batch = 0, heads = 0, len_q = 0, len_kv = 0, head_dim = 0;

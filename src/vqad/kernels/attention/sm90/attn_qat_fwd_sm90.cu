@@ -98,6 +98,11 @@ static_assert(kSkewGroups<true> > 0 && kSkewGroups<true> < kBN / 16 && kSkewGrou
 // 16-key groups per P.V step with P quantization (pv_groups, which checks that its group
 // ranges, split at kSkewGroups<true>, are whole steps).
 constexpr int kPvStepGroups = 2;
+// With P quantization and no O_hp (the forward of a call that needs no gradient) the
+// high-precision accumulator's registers are free for BF16 mode's lookahead (the next
+// tile's Q^ K^T queued behind the P.V products), but it measured 2 - 5% slower than the
+// loop without it (docs/performance.md, "The QAT forward without O_hp").
+constexpr bool kLookaheadWithoutHp = false;
 constexpr int kStartBarrier = 1;         // named barrier: consumer 1 may start
 constexpr int kPartBarrier = 2;          // named barrier: both consumers' partial tile written
 // A partial tile's row: acc (D), acch (D), m, l, padded to 16 bytes.
@@ -261,7 +266,7 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[16][4], uint32_t a_base, uin
 // step; three or four groups spill at D = 128 (docs/performance.md). Without P
 // quantization a step is one group (the BF16 mode's lookahead holds the next S).
 // gm: the groups' raw-score maxima (group_max; QUANT_P only).
-template <int D, int KS0, int KS1, bool QUANT_P, int NG>
+template <int D, int KS0, int KS1, bool QUANT_P, bool HP, int NG>
 __device__ __forceinline__ void pv_groups(const float (&s)[16][4], const float (&gm)[NG][2], float (&acc)[D / 8][4],
                                           float (&acch)[D / 8][4], float (&lacc)[4], const float (&m_run)[2], float c,
                                           uint32_t sV, const float2* table, uint64_t ones_desc) {
@@ -283,7 +288,7 @@ __device__ __forceinline__ void pv_groups(const float (&s)[16][4], const float (
     for (int u = 0; u < kStep; ++u) {
       const uint64_t dv = desc_mn(sV, (ks0 + u) * 16 * 128);
       sm90::wgmma_m64nNk16_rs<D, 1>(flat(acc), qa[u], dv);
-      if constexpr (QUANT_P) sm90::wgmma_m64nNk16_rs<D, 1>(flat(acch), pa[u], dv);
+      if constexpr (QUANT_P && HP) sm90::wgmma_m64nNk16_rs<D, 1>(flat(acch), pa[u], dv);
       wgmma_m64n8k16_rs(lacc, pa[u], ones_desc);
     }
   }
@@ -417,12 +422,13 @@ __device__ __forceinline__ void group_max(const float (&s)[2 * KS][4], float (&g
 // consumers synchronise, one thread counts the part in; the part that counts second reads
 // the other's state back (the same rows and columns this thread wrote, so no exchange
 // between threads), combines the two in the fixed order earlier, later,
-//   m = max(m_e, m_l), acc = acc_e 2^(m_e - m) + acc_l 2^(m_l - m), the same for acch and l,
+//   m = max(m_e, m_l), acc = acc_e 2^(m_e - m) + acc_l 2^(m_l - m), the same for acch
+// (WITH_HP: the QAT kernel that keeps the high-precision accumulator) and l,
 // and stores the tile's O, O_hp, m and l as the unsplit epilogue does. The result does not
 // depend on which part finished first. (Each column's read, combine and store happen
 // together: the stores keep ptxas from hoisting all reads, which would not fit in the
 // registers.)
-template <int D, bool QUANT_P>
+template <int D, bool WITH_HP>
 __device__ __forceinline__ void split_exchange(const FwdKernelParams& p, bool later, int slot, int q0, int h, int b,
                                                int warp, int lane, const float (&acc)[D / 8][4],
                                                const float (&acch)[D / 8][4], const float (&m_run)[2], float l0,
@@ -437,7 +443,7 @@ __device__ __forceinline__ void split_exchange(const FwdKernelParams& p, bool la
     const int d = i * 8 + 2 * t;
     *reinterpret_cast<float2*>(mine + r0 * kC + d) = make_float2(acc[i][0], acc[i][1]);
     *reinterpret_cast<float2*>(mine + (r0 + 8) * kC + d) = make_float2(acc[i][2], acc[i][3]);
-    if constexpr (QUANT_P) {
+    if constexpr (WITH_HP) {
       *reinterpret_cast<float2*>(mine + r0 * kC + D + d) = make_float2(acch[i][0], acch[i][1]);
       *reinterpret_cast<float2*>(mine + (r0 + 8) * kC + D + d) = make_float2(acch[i][2], acch[i][3]);
     }
@@ -486,7 +492,7 @@ __device__ __forceinline__ void split_exchange(const FwdKernelParams& p, bool la
     if (ok1) *reinterpret_cast<uint32_t*>(o + row1 * p.o_stride.l + d) = pack_bf16(x2 * inv_l1, x3 * inv_l1);
     if (ohp != nullptr) {
       float y0 = x0, y1 = x1, y2 = x2, y3 = x3;  // without P quantization O_hp = O
-      if constexpr (QUANT_P) {
+      if constexpr (WITH_HP) {
         const float2 h0 = __ldcg(reinterpret_cast<const float2*>(other + r0 * kC + D + d));
         const float2 h1 = __ldcg(reinterpret_cast<const float2*>(other + (r0 + 8) * kC + D + d));
         y0 = mix(acch[i][0], h0.x, 0), y1 = mix(acch[i][1], h0.y, 0);
@@ -509,7 +515,7 @@ __device__ __forceinline__ void split_exchange(const FwdKernelParams& p, bool la
   }
 }
 
-template <int D, bool QUANT_P, class KV>
+template <int D, bool QUANT_P, bool HP, class KV>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_qat_fwd_kernel(const FwdKernelParams p, float scale_log2, const AttnQatFwdVisit visit,
                         const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -520,10 +526,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kDT = D / 8;     // n8 slices of O
   constexpr uint32_t kTile = kTileBytes<D>;
   // BF16 mode: the next tile's Q^ K^T is queued behind the P.V products. With P
-  // quantization, QAT's two P accumulators at D = 128 leave no registers for the P
-  // fragments that the queued products hold; at D = 64 they fit, but the queued form
-  // measured 1-1.5% slower (docs/performance.md).
-  constexpr bool kLookahead = !QUANT_P;
+  // quantization and O_hp, QAT's two P accumulators at D = 128 leave no registers for the
+  // P fragments that the queued products hold; at D = 64 they fit, but the queued form
+  // measured 1-1.5% slower (docs/performance.md). Without O_hp: kLookaheadWithoutHp.
+  constexpr bool kLookahead = !QUANT_P || (!HP && kLookaheadWithoutHp);
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const uint32_t base = smem_addr(smem_raw);
   const uint32_t sQ = (base + 1023u) & ~1023u;  // 1024-byte swizzle atoms
@@ -646,18 +652,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t a_base = sQ + cw * 64 * 128;
 
   float acc[kDT][4];
-  float acch[QUANT_P ? kDT : 1][4];
+  constexpr bool kHp = QUANT_P && HP;  // a separate high-precision accumulator
+  float acch[kHp ? kDT : 1][4];
 #pragma unroll
   for (int i = 0; i < kDT; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
-  if constexpr (QUANT_P) {
+  if constexpr (kHp) {
 #pragma unroll
     for (int i = 0; i < kDT; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acch[i][e] = 0.0f;
   }
-  float (&acch_ref)[kDT][4] = *reinterpret_cast<float(*)[kDT][4]>(QUANT_P ? &acch[0][0] : &acc[0][0]);
+  float (&acch_ref)[kDT][4] = *reinterpret_cast<float(*)[kDT][4]>(kHp ? &acch[0][0] : &acc[0][0]);
   float m_run[2] = {-INFINITY, -INFINITY};
   // Row sums of bf16(P) come out of the tensor cores: P times an all-ones n8 tile
   // leaves the row sum in every column ([0] row g, [2] row g + 8), already reduced
@@ -735,7 +742,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc[i][1] *= alpha0;
         acc[i][2] *= alpha1;
         acc[i][3] *= alpha1;
-        if constexpr (QUANT_P) {
+        if constexpr (kHp) {
           acch[i][0] *= alpha0;
           acch[i][1] *= alpha0;
           acch[i][2] *= alpha1;
@@ -747,9 +754,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t sV = sV0 + st * kTile;
     sm90::mbar_wait(full_v(st), parity);
     constexpr int kSkew = kSkewGroups<QUANT_P>;
-    pv_groups<D, 0, kSkew, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    pv_groups<D, 0, kSkew, QUANT_P, HP>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     if (cw == 0 && j == j_begin) sm90::named_barrier_arrive(kStartBarrier, 256);
-    pv_groups<D, kSkew, kKS, QUANT_P>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
+    pv_groups<D, kSkew, kKS, QUANT_P, HP>(s, gm, acc, acch_ref, lacc, m_run, scale_log2, sV, scale_table, ones_desc);
     const bool next = kLookahead && j + 1 < j_end;
     if (next) {
       const int nst = (j + 1) % kStages;
@@ -770,7 +777,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A part of a split tile: the first to finish leaves its fp32 state in the
       // workspace; the second combines it with its own and stores the tile.
       __shared__ int s_arrived;
-      split_exchange<D, QUANT_P>(p, role == Role::kLater, slot, q0, h, b, warp, lane, acc, acch_ref, m_run, l0, l1,
+      split_exchange<D, kHp>(p, role == Role::kLater, slot, q0, h, b, warp, lane, acc, acch_ref, m_run, l0, l1,
                                  &s_arrived);
       return;
     }
@@ -788,7 +795,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (ok0) *reinterpret_cast<uint32_t*>(o + row0 * p.o_stride.l + d) = pack_bf16(acc[i][0] * inv_l0, acc[i][1] * inv_l0);
     if (ok1) *reinterpret_cast<uint32_t*>(o + row1 * p.o_stride.l + d) = pack_bf16(acc[i][2] * inv_l1, acc[i][3] * inv_l1);
     if (ohp != nullptr) {
-      const float* src = QUANT_P ? acch[QUANT_P ? i : 0] : acc[i];
+      const float* src = kHp ? acch[kHp ? i : 0] : acc[i];
       if (ok0)
         *reinterpret_cast<uint32_t*>(ohp + row0 * p.o_hp_stride.l + d) = pack_bf16(src[0] * inv_l0, src[1] * inv_l0);
       if (ok1)
@@ -866,10 +873,10 @@ size_t split_workspace_bytes(int split_tiles, int head_dim) {
   return split_tiles == 0 ? 0 : split_part_bytes(split_tiles, head_dim) + static_cast<size_t>(split_tiles) * sizeof(int);
 }
 
-template <int D, bool QUANT_P, class KV>
+template <int D, bool QUANT_P, bool HP, class KV>
 void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit,
                  cudaStream_t stream) {
-  auto kernel = attn_qat_fwd_kernel<D, QUANT_P, KV>;
+  auto kernel = attn_qat_fwd_kernel<D, QUANT_P, HP, KV>;
   // Validated on sm_90 (H100/H200) only: other arches are refused rather than guessed at.
   int device = 0, major = 0, minor = 0;
   VQAD_CUDA_CHECK(cudaGetDevice(&device));
@@ -936,8 +943,6 @@ float check_fwd_params(const char* op, const AttnQatFwdParams& p) {
   check_blhd(op, "v", p.v, shape);
   check_blhd(op, "o", p.o, shape);
   if (p.o_hp.data != nullptr) check_blhd(op, "o_hp", p.o_hp, shape);
-  VQAD_LAUNCH_CHECK(!p.quant_p || p.o_hp.data != nullptr, op, shape(),
-                    "tensor o_hp: expected a device pointer with quant_p (the backward's delta uses it), found null");
   // The kernel takes row maxima before scaling, which needs a positive scale.
   VQAD_LAUNCH_CHECK(p.softmax_scale >= 0.0f && std::isfinite(p.softmax_scale), op, shape(),
                     "expected a finite softmax_scale >= 0 (0: 1/sqrt(D)), found ", p.softmax_scale);
@@ -956,16 +961,21 @@ size_t attn_qat_fwd_workspace_bytes(const AttnQatFwdParams& p) {
 void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
   const float scale_log2 = check_fwd_params(kOp, p);
   const AttnQatFwdVisit none{};
+  const bool hp = p.o_hp.data != nullptr;
   if (p.head_dim == 64) {
-    if (p.quant_p)
-      launch_impl<64, true, DenseKv>(kOp, p, scale_log2, none, stream);
+    if (p.quant_p && hp)
+      launch_impl<64, true, true, DenseKv>(kOp, p, scale_log2, none, stream);
+    else if (p.quant_p)
+      launch_impl<64, true, false, DenseKv>(kOp, p, scale_log2, none, stream);
     else
-      launch_impl<64, false, DenseKv>(kOp, p, scale_log2, none, stream);
+      launch_impl<64, false, false, DenseKv>(kOp, p, scale_log2, none, stream);
   } else {
-    if (p.quant_p)
-      launch_impl<128, true, DenseKv>(kOp, p, scale_log2, none, stream);
+    if (p.quant_p && hp)
+      launch_impl<128, true, true, DenseKv>(kOp, p, scale_log2, none, stream);
+    else if (p.quant_p)
+      launch_impl<128, true, false, DenseKv>(kOp, p, scale_log2, none, stream);
     else
-      launch_impl<128, false, DenseKv>(kOp, p, scale_log2, none, stream);
+      launch_impl<128, false, false, DenseKv>(kOp, p, scale_log2, none, stream);
   }
 }
 
@@ -979,10 +989,12 @@ void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit&
                     " 64-row blocks (what a visit entry holds), found len_kv ", p.len_kv);
   VQAD_LAUNCH_CHECK(p.head_dim == kAttnQatVisitHeadDim, kVisitOp, shape_str(p), "expected head dim ",
                     kAttnQatVisitHeadDim, " (the VSA fine stage), found ", p.head_dim);
-  if (p.quant_p)
-    launch_impl<kAttnQatVisitHeadDim, true, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
+  if (p.quant_p && p.o_hp.data != nullptr)
+    launch_impl<kAttnQatVisitHeadDim, true, true, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
+  else if (p.quant_p)
+    launch_impl<kAttnQatVisitHeadDim, true, false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
   else
-    launch_impl<kAttnQatVisitHeadDim, false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
+    launch_impl<kAttnQatVisitHeadDim, false, false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
 }
 
 }  // namespace vqad::kernels::attention
