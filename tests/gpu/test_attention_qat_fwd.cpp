@@ -386,13 +386,19 @@ void expect_split_same(const FwdOut& split, const FwdOut& whole, float v_max, co
   EXPECT_EQ(far, 0u) << what;
 }
 
+// A forward case of the split and the without-O_hp tests: shape, forced key split
+// (split_tiles 0: none), peaky or normal inputs, P quantization.
+struct Case {
+  const char* what;
+  int B, H, Lq, Lkv, D, split_tiles, key_tile;
+  bool peaky, quant_p;
+};
+AttentionInputs inputs_of(const Case& c) {
+  return c.peaky ? peaky_inputs(c.B, c.H, c.Lq, c.Lkv, c.what) : normal_inputs(c.B, c.H, c.Lq, c.Lkv, 1.0f, c.what, c.D);
+}
+
 TEST(AttnQatFwdGpu, KeySplitKeepsTheNumerics) {
   REQUIRE_GPU();
-  struct Case {
-    const char* what;
-    int B, H, Lq, Lkv, D, split_tiles, key_tile;
-    bool peaky, quant_p;
-  };
   const Case cases[] = {
       {"split all 1000x777 at 3", 1, 2, 1000, 777, kD, 16, 3, false, true},      // 16 tiles, 7 KV tiles
       {"split all 1000x777 at 6", 1, 2, 1000, 777, kD, 16, 6, false, true},      // the ragged last KV tile later
@@ -403,8 +409,7 @@ TEST(AttnQatFwdGpu, KeySplitKeepsTheNumerics) {
       {"BF16 P split all 1000x777 at 4", 1, 2, 1000, 777, kD, 16, 4, false, false},
   };
   for (const Case& c : cases) {
-    const AttentionInputs in = c.peaky ? peaky_inputs(c.B, c.H, c.Lq, c.Lkv, c.what)
-                                       : normal_inputs(c.B, c.H, c.Lq, c.Lkv, 1.0f, c.what, c.D);
+    const AttentionInputs in = inputs_of(c);
     const FwdOut split = run_gpu(in, true, c.quant_p, false, c.split_tiles, c.key_tile);
     expect_close(split, run_ref(in, true, c.quant_p), c.what);
     float v_max = 0;
@@ -420,16 +425,10 @@ TEST(AttnQatFwdGpu, KeySplitKeepsTheNumerics) {
 }
 
 // Without O_hp (a call that needs no gradient) the QAT kernel skips the high-precision
-// P.V product and, with P quantization, queues the next tile's Q^ K^T behind the P.V
-// products; O (and m, l where asked for) must be the full kernel's bit for bit, and
+// P.V product; O (and m, l where asked for) must be the full kernel's bit for bit, and
 // nothing is written to the O_hp storage (nor m, l when they are null).
 TEST(AttnQatFwdGpu, WithoutOHpTheOutputIsTheSameBits) {
   REQUIRE_GPU();
-  struct Case {
-    const char* what;
-    int B, H, Lq, Lkv, D, split_tiles, key_tile;
-    bool peaky, quant_p;
-  };
   const Case cases[] = {
       {"self 1000", 1, 2, 1000, 1000, kD, 0, -1, false, true},
       {"ragged B2 333x1100", 2, 3, 333, 1100, kD, 0, -1, false, true},
@@ -441,8 +440,7 @@ TEST(AttnQatFwdGpu, WithoutOHpTheOutputIsTheSameBits) {
       {"BF16 P 1000x777", 1, 2, 1000, 777, kD, 0, -1, false, false},
   };
   for (const Case& c : cases) {
-    const AttentionInputs in = c.peaky ? peaky_inputs(c.B, c.H, c.Lq, c.Lkv, c.what)
-                                       : normal_inputs(c.B, c.H, c.Lq, c.Lkv, 1.0f, c.what, c.D);
+    const AttentionInputs in = inputs_of(c);
     const FwdOut all = run_gpu(in, true, c.quant_p, false, c.split_tiles, c.key_tile);
     expect_close(all, run_ref(in, true, c.quant_p), c.what);
     for (const Outputs outputs : {Outputs::kNoOHp, Outputs::kOOnly}) {
