@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cctype>
 #include <cmath>
@@ -123,7 +124,12 @@ void validate(const StepBenchOptions& o) {
                  o.width % 2 == 0,
              "bench step: latent ", o.frames, " x ", o.height, " x ", o.width,
              " must be positive with even height and width (patch 1 x 2 x 2)");
-  (void)configs_of(o);  // rejects bad --attention / --linears before any GPU work
+  const std::vector<StepConfig> configs = configs_of(o);  // rejects bad --attention / --linears first
+  VQAD_CHECK(!o.qat_full_nograd ||
+                 std::any_of(configs.begin(), configs.end(),
+                             [](const StepConfig& c) { return c.attention == "ATTN_QAT_TRAIN"; }),
+             "bench step --qat-full-nograd-forward: no configuration runs ATTN_QAT_TRAIN (--attention ",
+             o.attention, ")");
 }
 
 #ifdef VQAD_WITH_TORCH_CUDA

@@ -58,6 +58,15 @@ TEST(BenchStepCli, UnknownAttentionNameIsAnError) {
   EXPECT_TRUE(has(r.output, "--attention")) << r.output;
 }
 
+// --qat-full-nograd-forward adds a second ATTN_QAT_TRAIN configuration; with no
+// ATTN_QAT_TRAIN configuration to add it to, it is refused instead of ignored.
+TEST(BenchStepCli, FullNogradForwardNeedsTheQatBackend) {
+  const CliResult r = run_vqad("bench step --attention TORCH_SDPA --qat-full-nograd-forward --layers 1");
+  EXPECT_EQ(r.rc, 1) << r.output;
+  EXPECT_TRUE(has(r.output, "--qat-full-nograd-forward")) << r.output;
+  EXPECT_TRUE(has(r.output, "TORCH_SDPA")) << r.output;
+}
+
 TEST(BenchStepCli, BadStepCountIsAnError) {
   const CliResult r = run_vqad("bench step --steps 0 --layers 1");
   EXPECT_EQ(r.rc, 1) << r.output;
