@@ -41,7 +41,7 @@ struct StepBenchOptions {
   std::string attention;  // empty: the default pair of configurations
   std::string linears;    // empty: the default pair of configurations
   bool no_baseline = false;
-  bool qat_full_nograd = false;  // also ATTN_QAT_TRAIN with the full forward in calls without a graph
+  bool qat_full_nograd = false;  // also the QAT backends with the full forward in calls without a graph
   double sparsity = 0.9;  // VSA backends: fraction of KV cubes skipped
   int warmup = 1;
   int steps = 3;
@@ -57,7 +57,7 @@ struct StepBenchOptions {
 struct StepConfig {
   std::string attention;  // backend name
   bool nvfp4 = false;     // NVFP4 dynamic linears (nvfp4_qat_train plan)
-  bool full_nograd = false;  // ATTN_QAT_TRAIN: the full forward (O_hp) also without a graph
+  bool full_nograd = false;  // QAT backends: the full forward (O_hp) also without a graph
   std::string label() const {
     return attention + (nvfp4 ? " + nvfp4" : " + dense") + (full_nograd ? " (full fwd w/o grad)" : "");
   }
@@ -99,13 +99,19 @@ std::vector<StepConfig> configs_of(const StepBenchOptions& o) {
   return out;
 }
 
-// --qat-full-nograd-forward: the ATTN_QAT_TRAIN configurations again with the full
-// forward (O_hp, m, l) in the first pass of every checkpointed block, right after them.
+// The backends whose CUDA forward has a form without O_hp for calls that record no graph:
+// ATTN_QAT_TRAIN and VSA_QAT_TRAIN_C64 / _C128.
+bool has_nograd_forward(const StepConfig& c) {
+  return c.attention == "ATTN_QAT_TRAIN" || c.attention == "VSA_QAT_TRAIN_C64" || c.attention == "VSA_QAT_TRAIN_C128";
+}
+
+// --qat-full-nograd-forward: the QAT configurations again with the full forward (O_hp,
+// m, l) in the first pass of every checkpointed block, right after them.
 std::vector<StepConfig> all_configs_of(const StepBenchOptions& o) {
   std::vector<StepConfig> out;
   for (const StepConfig& c : configs_of(o)) {
     out.push_back(c);
-    if (o.qat_full_nograd && c.attention == "ATTN_QAT_TRAIN") {
+    if (o.qat_full_nograd && has_nograd_forward(c)) {
       StepConfig f = c;
       f.full_nograd = true;
       out.push_back(f);
@@ -126,10 +132,9 @@ void validate(const StepBenchOptions& o) {
              " must be positive with even height and width (patch 1 x 2 x 2)");
   const std::vector<StepConfig> configs = configs_of(o);  // rejects bad --attention / --linears first
   VQAD_CHECK(!o.qat_full_nograd ||
-                 std::any_of(configs.begin(), configs.end(),
-                             [](const StepConfig& c) { return c.attention == "ATTN_QAT_TRAIN"; }),
-             "bench step --qat-full-nograd-forward: no configuration runs ATTN_QAT_TRAIN (--attention ",
-             o.attention, ")");
+                 std::any_of(configs.begin(), configs.end(), has_nograd_forward),
+             "bench step --qat-full-nograd-forward: no configuration runs ATTN_QAT_TRAIN or VSA_QAT_TRAIN_* "
+             "(--attention ", o.attention, ")");
 }
 
 #ifdef VQAD_WITH_TORCH_CUDA
@@ -195,6 +200,7 @@ StepResult run_config(const StepConfig& sc, const StepBenchOptions& o, const tor
     spec.backend = parse_step_attention(sc.attention);
     spec.vsa.sparsity = o.sparsity;  // read by the VSA backends only
     spec.qat.full_forward_without_grad = sc.full_nograd;
+    spec.vsa.full_forward_without_grad = sc.full_nograd;
     ops::AttentionBackendScope scope(spec);
     m = std::make_shared<model::WanModel>(cfg, mo);
   }
@@ -409,8 +415,8 @@ void register_bench_step_commands(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--linears", opts->linears, "nvfp4 (dynamic NVFP4 QAT linears) | dense");
   sub->add_flag("--qat-full-nograd-forward", opts->qat_full_nograd,
-                "also time ATTN_QAT_TRAIN with the full forward (O_hp) in the first pass of each checkpointed block, "
-                "as before the forward without O_hp");
+                "also time ATTN_QAT_TRAIN / VSA_QAT_TRAIN_* with the full forward (O_hp) in the first pass of each "
+                "checkpointed block, as before the forward without O_hp");
   sub->add_flag("--no-baseline", opts->no_baseline,
                 "skip the TORCH_SDPA + dense baseline (no ratio)");
   sub->add_option("--steps", opts->steps, "timed steps (median reported)")->capture_default_str();

@@ -58,13 +58,16 @@ TEST(BenchStepCli, UnknownAttentionNameIsAnError) {
   EXPECT_TRUE(has(r.output, "--attention")) << r.output;
 }
 
-// --qat-full-nograd-forward adds a second ATTN_QAT_TRAIN configuration; with no
-// ATTN_QAT_TRAIN configuration to add it to, it is refused instead of ignored.
+// --qat-full-nograd-forward adds a second configuration of each QAT backend (ATTN_QAT_TRAIN,
+// VSA_QAT_TRAIN_*); with none to add it to, it is refused instead of ignored.
 TEST(BenchStepCli, FullNogradForwardNeedsTheQatBackend) {
   const CliResult r = run_vqad("bench step --attention TORCH_SDPA --qat-full-nograd-forward --layers 1");
   EXPECT_EQ(r.rc, 1) << r.output;
   EXPECT_TRUE(has(r.output, "--qat-full-nograd-forward")) << r.output;
   EXPECT_TRUE(has(r.output, "TORCH_SDPA")) << r.output;
+  const CliResult bf16_vsa = run_vqad("bench step --attention VSA_TRAIN_C128 --qat-full-nograd-forward --layers 1");
+  EXPECT_EQ(bf16_vsa.rc, 1) << bf16_vsa.output;
+  EXPECT_TRUE(has(bf16_vsa.output, "--qat-full-nograd-forward")) << bf16_vsa.output;
 }
 
 TEST(BenchStepCli, BadStepCountIsAnError) {

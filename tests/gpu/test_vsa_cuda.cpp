@@ -109,6 +109,10 @@ struct GpuResult {
   std::vector<float> q_c, k_c, v_c, probs, out_c;
   vr::SelectionLists sel;
   bool sentinels_ok = true;
+  // The forward without a backward (null o_fine_hp, m, l), run first on the same inputs.
+  std::vector<uint16_t> o_nograd;
+  std::vector<int32_t> sel_index_nograd, sel_count_nograd;
+  bool nograd_sentinels_ok = true;
 };
 
 std::vector<int32_t> i32(const std::vector<int64_t>& v) {
@@ -174,16 +178,41 @@ GpuResult run_gpu(const Case& cs, const vr::Tiling& t, const std::vector<float>&
   DeviceBlhd o = raster_out(B, L, H), gq = raster_out(B, L, H), gk = raster_out(B, L, H), gv = raster_out(B, L, H),
              gg = raster_out(B, L, H);
   DeviceBuffer<uint8_t> wsf(kv::vsa_forward_workspace_bytes(c), 0xFF), wsb(kv::vsa_backward_workspace_bytes(c), 0xFF);
+  GpuResult r;
 
   kv::VsaForwardArgs fa;
   fa.q = in(dq_in);
   fa.k = in(dk_in);
   fa.v = in(dv_in);
   if (cs.gate) fa.gate = in(dgate_in);
-  fa.o = o.out();
-  fa.tiled_q = tq.get(), fa.tiled_k = tk.get(), fa.tiled_v = tv.get(), fa.o_fine_hp = ohp.get();
-  fa.m = m.get(), fa.l = l.get(), fa.sel_index = sel_index.get(), fa.sel_count = sel_count.get();
+  fa.tiled_q = tq.get(), fa.tiled_k = tk.get(), fa.tiled_v = tv.get();
+  fa.sel_index = sel_index.get(), fa.sel_count = sel_count.get();
   fa.q_c = q_c.get(), fa.k_c = k_c.get(), fa.v_c = v_c.get(), fa.probs = probs.get(), fa.out_c = out_c.get();
+  {
+    // A forward that no backward follows: o_fine_hp, m and l null (the fine stage without
+    // the O_hp product), its own workspace size; o into a poisoned buffer of its own. Half
+    // of the three set is refused.
+    DeviceBlhd o_ng = raster_out(B, L, H);
+    DeviceBuffer<uint8_t> ws_ng(kv::vsa_forward_workspace_bytes(c, /*saves=*/false), 0xFF);
+    kv::VsaForwardArgs ng = fa;
+    ng.o = o_ng.out();
+    ng.workspace = ws_ng.get();
+    kv::VsaForwardArgs partial = ng;
+    partial.o_fine_hp = ohp.get();
+    EXPECT_THROW(kv::vsa_forward(c, partial, nullptr), vqad::Error) << "o_fine_hp without m and l";
+    partial.o_fine_hp = nullptr, partial.m = m.get(), partial.l = l.get();
+    EXPECT_THROW(kv::vsa_forward(c, partial, nullptr), vqad::Error) << "m and l without o_fine_hp";
+    kv::vsa_forward(c, ng, nullptr);
+    VQAD_CUDA_CHECK(cudaDeviceSynchronize());
+    bool ok = true;
+    (void)raster_values(o_ng, &ok);
+    r.nograd_sentinels_ok = ok;
+    r.o_nograd = o_ng.raw();
+    r.sel_index_nograd = sel_index.download();
+    r.sel_count_nograd = sel_count.download();
+  }
+  fa.o = o.out();
+  fa.o_fine_hp = ohp.get(), fa.m = m.get(), fa.l = l.get();
   fa.workspace = wsf.get();
   kv::vsa_forward(c, fa, nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
@@ -202,7 +231,6 @@ GpuResult run_gpu(const Case& cs, const vr::Tiling& t, const std::vector<float>&
   kv::vsa_backward(c, ba, nullptr);
   VQAD_CUDA_CHECK(cudaDeviceSynchronize());
 
-  GpuResult r;
   bool ok = true, all = true;
   r.o_v = raster_values(o, &ok);
   all &= ok;
@@ -320,6 +348,11 @@ void run_case(const Case& cs) {
 
   const GpuResult g = run_gpu(cs, t, q, k, v, gate, d_o, topk);
   EXPECT_TRUE(g.sentinels_ok) << "a kernel wrote into the gaps between head rows or past the end, " << ctx;
+  // The forward without a backward: the same output bits and selection as the full one.
+  EXPECT_TRUE(g.nograd_sentinels_ok) << "the forward without O_hp wrote into the gaps or past the end, " << ctx;
+  EXPECT_EQ(g.o_nograd, g.o) << "O of the forward without O_hp differs from the full forward's, " << ctx;
+  EXPECT_EQ(g.sel_index_nograd, g.sel.index) << "selection of the forward without O_hp, " << ctx;
+  EXPECT_EQ(g.sel_count_nograd, g.sel.count) << "selection counts of the forward without O_hp, " << ctx;
 
   // Reference, stage by stage (with the GPU's lists where they differ only at ties).
   vr::Saved saved;

@@ -352,6 +352,24 @@ torch::Tensor vsa_attention(const torch::Tensor& q, const torch::Tensor& k, cons
                             const torch::Tensor& gate, std::array<int64_t, 3> grid, AttentionBackend backend,
                             const VsaOptions& opts, vsa_ref::SelectionLists* selection) {
   check_inputs(q, k, v, gate, grid, backend, opts);
+#ifdef VQAD_VSA_CUDA_PATH
+  // No graph is recorded (grad mode off, as in the first pass of an activation-checkpointed
+  // block, or no input needs a gradient): nothing is kept for a backward, and the fine
+  // stage runs without the O_hp product and the m, l statistics that only the backward
+  // reads. The output and the selection are the same bits as with a graph (GPU test
+  // VsaOpCuda.NoGradForwardIsTheSameBits).
+  const bool graph = torch::GradMode::is_enabled() &&
+                     (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                      (gate.defined() && gate.requires_grad()));
+  if (q.is_cuda() && !graph && !opts.full_forward_without_grad) {
+    const Call call{backend, opts, grid, selection};
+    vsa_cuda::Saved s;
+    torch::Tensor o =
+        vsa_cuda::forward(q, k, v, gate, tiling_of(call), vsa_ref_options(backend, opts), &s, /*for_backward=*/false);
+    if (selection != nullptr) *selection = vsa_cuda::selection_to_host(s);
+    return o;
+  }
+#endif
   const torch::Tensor gate_arg = gate.defined() ? gate : torch::empty({0}, q.options().requires_grad(false));
   return VsaFunction::apply(q, k, v, gate_arg, Call{backend, opts, grid, selection});
 }

@@ -35,6 +35,10 @@ struct VsaOptions {
   bool quant_p = true;    // VSA_QAT_*: P fake-quantized per 16 keys
   bool quant_v = true;    // VSA_QAT_*: V fake-quantized
   AttnQatBwdMode bwd_mode = AttnQatBwdMode::kConsistent;
+  // A CUDA call that records no graph runs the forward without the O_hp product and the
+  // saved statistics (same output bits, less work); true runs the full forward anyway,
+  // for same-run comparisons (bench step --qat-full-nograd-forward). Not a config key.
+  bool full_forward_without_grad = false;
 };
 
 bool is_vsa_backend(AttentionBackend b);

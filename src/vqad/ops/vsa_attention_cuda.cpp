@@ -207,15 +207,16 @@ struct SavedSpec {
   torch::Tensor Saved::*member;
   std::vector<int64_t> sizes;
   torch::ScalarType type;
+  bool backward_only = false;  // not allocated by a forward without a backward
 };
 std::vector<SavedSpec> saved_specs(int64_t B, int64_t H, int64_t P, int64_t D, int64_t nc, int64_t topk) {
   const torch::ScalarType bf16 = torch::kBFloat16, f32 = torch::kFloat32, i32 = torch::kInt32;
   return {{"tiled_q", &Saved::tiled_q, {B, H, P, D}, bf16},
           {"tiled_k", &Saved::tiled_k, {B, H, P, D}, bf16},
           {"tiled_v", &Saved::tiled_v, {B, H, P, D}, bf16},
-          {"o_fine_hp", &Saved::o_fine_hp, {B, H, P, D}, bf16},
-          {"m", &Saved::m, {B, H, P}, f32},
-          {"l", &Saved::l, {B, H, P}, f32},
+          {"o_fine_hp", &Saved::o_fine_hp, {B, H, P, D}, bf16, true},
+          {"m", &Saved::m, {B, H, P}, f32, true},
+          {"l", &Saved::l, {B, H, P}, f32, true},
           {"sel_index", &Saved::sel_index, {B, H, nc, topk}, i32},
           {"sel_count", &Saved::sel_count, {B, H, nc}, i32},
           {"q_c", &Saved::q_c, {B, H, nc, D}, f32},
@@ -227,14 +228,15 @@ std::vector<SavedSpec> saved_specs(int64_t B, int64_t H, int64_t P, int64_t D, i
 
 // The kernels' pointers to the saved tensors (VsaForwardArgs: where the forward writes
 // them; VsaBackwardArgs: what the backward reads).
+// (An undefined o_fine_hp, m, l: null, a forward without a backward.)
 template <class Args>
 void bind_saved(Args& a, const Saved& s) {
   a.tiled_q = s.tiled_q.data_ptr();
   a.tiled_k = s.tiled_k.data_ptr();
   a.tiled_v = s.tiled_v.data_ptr();
-  a.o_fine_hp = s.o_fine_hp.data_ptr();
-  a.m = s.m.data_ptr<float>();
-  a.l = s.l.data_ptr<float>();
+  a.o_fine_hp = s.o_fine_hp.defined() ? s.o_fine_hp.data_ptr() : nullptr;
+  a.m = s.m.defined() ? s.m.data_ptr<float>() : nullptr;
+  a.l = s.l.defined() ? s.l.data_ptr<float>() : nullptr;
   a.sel_index = s.sel_index.data_ptr<int32_t>();
   a.sel_count = s.sel_count.data_ptr<int32_t>();
   a.q_c = s.q_c.data_ptr<float>();
@@ -248,7 +250,7 @@ void bind_saved(Args& a, const Saved& s) {
 
 torch::Tensor forward(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                       const torch::Tensor& gate_in, const vsa_ref::Tiling& tiling, const vsa_ref::Options& opts,
-                      Saved* saved) {
+                      Saved* saved, bool for_backward) {
   check_inputs(q_in, k_in, v_in, gate_in, tiling, opts);
   const c10::cuda::CUDAGuard guard(q_in.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(q_in.get_device()).stream();
@@ -264,9 +266,9 @@ torch::Tensor forward(const torch::Tensor& q_in, const torch::Tensor& k_in, cons
   Saved local;
   Saved& s = saved != nullptr ? *saved : local;
   for (const SavedSpec& e : saved_specs(B, H, P, D, nc, c.topk))
-    s.*e.member = torch::empty(e.sizes, q.options().dtype(e.type));
+    s.*e.member = for_backward || !e.backward_only ? torch::empty(e.sizes, q.options().dtype(e.type)) : torch::Tensor();
   torch::Tensor o = torch::empty({B, L, H, D}, bf16);
-  torch::Tensor ws = workspace(kv::vsa_forward_workspace_bytes(c), q);
+  torch::Tensor ws = workspace(kv::vsa_forward_workspace_bytes(c, for_backward), q);
 
   kv::VsaForwardArgs a;
   a.q = raster_in(q);

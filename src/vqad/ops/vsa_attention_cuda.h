@@ -22,9 +22,12 @@ struct Saved {
 // q, k, v: CUDA BF16 [B, L, H, D] (BLHD, any strides with d contiguous), L = tiling.num_tokens();
 // gate: same shape or undefined (zero gate). Returns o BF16 [B, L, H, D]. Throws vqad::Error
 // naming the shape and device on anything the kernels do not support.
+// for_backward = false (a call that records no graph): the fine stage runs without the
+// O_hp product and saved->o_fine_hp, m and l stay undefined (the other stage buffers,
+// the selection among them, are filled); o is the same bits.
 torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                       const torch::Tensor& gate, const vsa_ref::Tiling& tiling,
-                      const vsa_ref::Options& opts, Saved* saved);
+                      const vsa_ref::Options& opts, Saved* saved, bool for_backward = true);
 
 struct Grads {
   torch::Tensor dq, dk, dv, dgate;  // BF16 [B, L, H, D]; dgate undefined when gate was undefined

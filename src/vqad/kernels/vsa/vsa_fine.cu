@@ -29,6 +29,8 @@
 //                     P = exp2(s - m), P^ = NVFP4(P) per 16 keys against that max, l from
 //                     bf16(P), O += bf16(P^) V, O_hp += bf16(P) V: the dense ATTN_QAT_TRAIN
 //                     forward's arithmetic (same exp2, same scale table and rounding).
+//                     SAVE = false (a forward that records no graph): O alone, without the
+//                     O_hp product and without m and l; O is the same bits.
 //   (the row statistics {m, 1/l, delta = rowsum(dO * O_hp)} come from vsa_pipeline.cu's dO pass)
 //   fine_dkdv_kernel: (C64) CTA = one 64-key block; loops over the 64-query blocks of the query
 //                     cubes that selected its cube (inverse lists, ascending), forming
@@ -235,8 +237,11 @@ size_t fwd_smem_bytes(int list_cap) {
          static_cast<size_t>(list_cap) * sizeof(int);
 }
 
-template <bool QUANT_P>
+// SAVE: O_hp, m and l are written for the backward; without it (null o_hp, m, l) the
+// kernel drops the O_hp product (QUANT_P) and writes O alone.
+template <bool QUANT_P, bool SAVE>
 __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams p) {
+  constexpr bool kHp = QUANT_P && SAVE;  // a separate O_hp accumulator
   extern __shared__ __align__(128) uint8_t smem[];
   bf16* sQ = reinterpret_cast<bf16*>(smem);  // [64][128]
   bf16* sK = sQ + kTileElems;                 // [2][64][128]
@@ -279,13 +284,13 @@ __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams 
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) ldsm_x4(qf[kk], sQ + swz(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 
-  float acc[16][4], acch[QUANT_P ? 16 : 1][4], lacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float acc[16][4], acch[kHp ? 16 : 1][4], lacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int n = 0; n < 16; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
 #pragma unroll
-  for (int n = 0; n < (QUANT_P ? 16 : 1); ++n)
+  for (int n = 0; n < (kHp ? 16 : 1); ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acch[n][e] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY;  // running max of rows g, g + 8 (log2 domain)
@@ -346,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams 
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
       acc[n][0] *= al0, acc[n][1] *= al0, acc[n][2] *= al1, acc[n][3] *= al1;
-      if constexpr (QUANT_P) acch[n][0] *= al0, acch[n][1] *= al0, acch[n][2] *= al1, acch[n][3] *= al1;
+      if constexpr (kHp) acch[n][0] *= al0, acch[n][1] *= al0, acch[n][2] *= al1, acch[n][3] *= al1;
     }
     lacc[0] *= al0, lacc[1] *= al0, lacc[2] *= al1, lacc[3] *= al1;
 
@@ -360,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams 
         ldsm_x4_trans(bv, cV + swz(ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dn * 2 + (lane >> 4)));
         mma_bf16(acc[2 * dn], qa, bv[0], bv[1]);
         mma_bf16(acc[2 * dn + 1], qa, bv[2], bv[3]);
-        if constexpr (QUANT_P) {
+        if constexpr (kHp) {
           mma_bf16(acch[2 * dn], pa, bv[0], bv[1]);
           mma_bf16(acch[2 * dn + 1], pa, bv[2], bv[3]);
         }
@@ -373,22 +378,22 @@ __global__ void __launch_bounds__(kThreads, 2) fine_fwd_kernel(const FineParams 
   const int r0 = qb * kBT + warp * 16 + g;  // tiled rows of this lane: r0, r0 + 8
   const float l0 = lacc[0], l1 = lacc[2];
   bf16* o_base = p.o + head_off;
-  bf16* oh_base = p.o_hp + head_off;
+  bf16* oh_base = SAVE ? p.o_hp + head_off : nullptr;
 #pragma unroll
   for (int n = 0; n < 16; ++n) {
     const int col = n * 8 + 2 * t4;
     const int64_t o0 = static_cast<int64_t>(r0) * kD + col, o1 = o0 + 8 * kD;
     *reinterpret_cast<uint32_t*>(o_base + o0) = pack_bf16(acc[n][0] / l0, acc[n][1] / l0);
     *reinterpret_cast<uint32_t*>(o_base + o1) = pack_bf16(acc[n][2] / l1, acc[n][3] / l1);
-    if constexpr (QUANT_P) {
+    if constexpr (kHp) {
       *reinterpret_cast<uint32_t*>(oh_base + o0) = pack_bf16(acch[n][0] / l0, acch[n][1] / l0);
       *reinterpret_cast<uint32_t*>(oh_base + o1) = pack_bf16(acch[n][2] / l1, acch[n][3] / l1);
-    } else if (oh_base != o_base) {
+    } else if (SAVE && oh_base != o_base) {
       *reinterpret_cast<uint32_t*>(oh_base + o0) = pack_bf16(acc[n][0] / l0, acc[n][1] / l0);
       *reinterpret_cast<uint32_t*>(oh_base + o1) = pack_bf16(acc[n][2] / l1, acc[n][3] / l1);
     }
   }
-  if (t4 == 0) {
+  if (SAVE && t4 == 0) {
     const int64_t so = bh * p.P + r0;
     p.m[so] = m0;
     p.m[so + 8] = m1;
@@ -705,8 +710,13 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
                          float* m, float* l, void* scratch, cudaStream_t stream) {
   VQAD_LAUNCH_CHECK(c.head_dim == kD, kFineForwardOp, detail::shape_str(c), "expected head dim ", kD, ", found ",
                     c.head_dim);
-  VQAD_LAUNCH_CHECK(tiled_q && tiled_k && tiled_v && sel_index && sel_count && o_tiled && o_hp_tiled && m && l,
-                    kFineForwardOp, detail::shape_str(c), "expected every operand and output buffer, found a null one");
+  VQAD_LAUNCH_CHECK(tiled_q && tiled_k && tiled_v && sel_index && sel_count && o_tiled, kFineForwardOp,
+                    detail::shape_str(c), "expected every operand buffer and o, found a null one");
+  // o_hp, m and l: all three (the forward of a training call) or none (O alone).
+  const bool save = o_hp_tiled != nullptr;
+  VQAD_LAUNCH_CHECK((m != nullptr) == save && (l != nullptr) == save, kFineForwardOp, detail::shape_str(c),
+                    "expected o_hp, m and l all set (saved for the backward) or all null (O alone), found o_hp ",
+                    o_hp_tiled, ", m ", m, ", l ", l);
   const bool qp = c.quantize && c.quant_p;
   if (vsa_fine_forward_kernel(c.tiling.blocks_per_cube) == VsaFineForward::kWgmmaPairs) {
     VQAD_LAUNCH_CHECK(scratch != nullptr && reinterpret_cast<uintptr_t>(scratch) % 256 == 0, kFineForwardOp,
@@ -736,7 +746,8 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
     fp.k = BlhdIn{tiled_k, st};
     fp.v = BlhdIn{tiled_v, st};
     fp.o = BlhdOut{o_tiled, st};
-    fp.o_hp = o_hp_tiled == o_tiled ? BlhdOut{} : BlhdOut{o_hp_tiled, st};  // one write without P quantization
+    // one write without P quantization; none without a backward (the kernel without O_hp)
+    fp.o_hp = !save || o_hp_tiled == o_tiled ? BlhdOut{} : BlhdOut{o_hp_tiled, st};
     fp.m = m;
     fp.l = l;
     fp.batch = c.batch;
@@ -775,11 +786,14 @@ void launch_fine_forward(const VsaConfig& c, const void* tiled_q, const void* ti
     kernel<<<block_grid(c), kThreads, smem, stream>>>(p);
     VQAD_CUDA_CHECK_LAUNCH("vsa fine_fwd_kernel");
   };
-  if (qp) {
-    launch(fine_fwd_kernel<true>);
-  } else {
-    launch(fine_fwd_kernel<false>);
-  }
+  if (qp && save)
+    launch(fine_fwd_kernel<true, true>);
+  else if (qp)
+    launch(fine_fwd_kernel<true, false>);
+  else if (save)
+    launch(fine_fwd_kernel<false, true>);
+  else
+    launch(fine_fwd_kernel<false, false>);
 }
 
 namespace detail {

@@ -91,6 +91,9 @@ struct VsaConfig {
 
 // Forward: inputs, the output, what the backward needs (caller-owned; lives until the
 // backward) and the scratch workspace (vsa_forward_workspace_bytes, 256-byte aligned).
+// A forward that no backward follows passes o_fine_hp, m and l null (all three): the fine
+// stage then runs without the O_hp product and writes neither statistic; o is the same
+// bits. Its workspace is vsa_forward_workspace_bytes(c, /*saves=*/false).
 struct VsaForwardArgs {
   BlhdIn q, k, v;  // BF16 [B, L, H, D]
   BlhdIn gate;     // gate.data == nullptr: zero gate
@@ -99,9 +102,9 @@ struct VsaForwardArgs {
   void* tiled_q = nullptr;    // BF16 [B, H, P, D]: fine-stage operands (quantized for QAT)
   void* tiled_k = nullptr;
   void* tiled_v = nullptr;
-  void* o_fine_hp = nullptr;  // BF16 [B, H, P, D]: fine output on the unquantized-P path
-  float* m = nullptr;         // [B, H, P] (log2 domain; padding rows unspecified)
-  float* l = nullptr;         // [B, H, P]
+  void* o_fine_hp = nullptr;  // BF16 [B, H, P, D]: fine output on the unquantized-P path (or null, see above)
+  float* m = nullptr;         // [B, H, P] (log2 domain; padding rows unspecified; or null)
+  float* l = nullptr;         // [B, H, P] (or null)
   int32_t* sel_index = nullptr;  // [B, H, nc, topk]
   int32_t* sel_count = nullptr;  // [B, H, nc]
   float* q_c = nullptr;  // [B, H, nc, D]
@@ -111,7 +114,7 @@ struct VsaForwardArgs {
   float* out_c = nullptr;  // [B, H, nc, D]
   void* workspace = nullptr;
 };
-size_t vsa_forward_workspace_bytes(const VsaConfig& c);
+size_t vsa_forward_workspace_bytes(const VsaConfig& c, bool saves = true);
 void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t stream);
 
 struct VsaBackwardArgs {
@@ -146,7 +149,7 @@ void launch_tile(const VsaConfig& c, BlhdIn src, void* dst_tiled, bool quantize,
 
 // Fine-stage forward over the lists: o (quantized-P path) and o_hp (BF16-P path; equal to
 // o without P quantization, when o_hp_tiled may be o_tiled: written once) tiled BF16, m
-// and l [B, H, P]; scratch holds
+// and l [B, H, P]; o_hp, m and l all null: o alone (no O_hp product); scratch holds
 // fine_forward_scratch_bytes(c) (256-byte aligned; the C128 visit lists). Rows of empty
 // query blocks are not written.
 size_t fine_forward_scratch_bytes(const VsaConfig& c);

@@ -997,10 +997,15 @@ void launch_tile(const VsaConfig& c, BlhdIn src, void* dst_tiled, bool quantize,
   launch_tile_pool<Pool::kNone>(c, src, BlhdIn{}, dst_tiled, quantize, nullptr, stream);
 }
 
-size_t vsa_forward_workspace_bytes(const VsaConfig& c) {
+namespace {
+// The fine output gets its own buffer on the quantized-P path and when nothing is saved;
+// without P quantization, in a forward that saves, it is o_fine_hp itself.
+bool own_fine_output(const VsaConfig& c, bool saves) { return (c.quantize && c.quant_p) || !saves; }
+}  // namespace
+
+size_t vsa_forward_workspace_bytes(const VsaConfig& c, bool saves) {
   const Sizes s = sizes_of(c);
-  // the fine output of the quantized-P path; without P quantization it is o_fine_hp itself
-  return (c.quantize && c.quant_p ? align256(s.tiled_bf16) : 0) + align256(fine_forward_scratch_bytes(c));
+  return (own_fine_output(c, saves) ? align256(s.tiled_bf16) : 0) + align256(fine_forward_scratch_bytes(c));
 }
 
 void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t stream) {
@@ -1010,15 +1015,19 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
   check_raster(kForwardOp, "v", a.v, c);
   if (a.gate.data != nullptr) check_raster(kForwardOp, "gate", a.gate, c);
   check_raster(kForwardOp, "o", a.o, c);
-  VQAD_LAUNCH_CHECK(a.tiled_q && a.tiled_k && a.tiled_v && a.o_fine_hp && a.m && a.l && a.sel_index &&
-                        a.sel_count && a.q_c && a.k_c && a.v_c && a.probs && a.out_c,
-                    kForwardOp, detail::shape_str(c), "expected every saved buffer, found a null one");
+  VQAD_LAUNCH_CHECK(a.tiled_q && a.tiled_k && a.tiled_v && a.sel_index && a.sel_count && a.q_c && a.k_c && a.v_c &&
+                        a.probs && a.out_c,
+                    kForwardOp, detail::shape_str(c), "expected every stage buffer, found a null one");
+  const bool saves = a.o_fine_hp != nullptr;
+  VQAD_LAUNCH_CHECK((a.m != nullptr) == saves && (a.l != nullptr) == saves, kForwardOp, detail::shape_str(c),
+                    "expected o_fine_hp, m and l all set (saved for the backward) or all null (a forward "
+                    "without a backward), found o_fine_hp ", a.o_fine_hp, ", m ", a.m, ", l ", a.l);
   VQAD_LAUNCH_CHECK(a.workspace != nullptr && reinterpret_cast<uintptr_t>(a.workspace) % 256 == 0, kForwardOp,
-                    detail::shape_str(c), "expected a 256-byte aligned workspace of ", vsa_forward_workspace_bytes(c),
-                    " bytes, found address ", a.workspace);
+                    detail::shape_str(c), "expected a 256-byte aligned workspace of ",
+                    vsa_forward_workspace_bytes(c, saves), " bytes, found address ", a.workspace);
   const Sizes s = sizes_of(c);
   uint8_t* cur = static_cast<uint8_t*>(a.workspace);
-  void* o_fine = c.quantize && c.quant_p ? carve<uint8_t>(cur, s.tiled_bf16) : a.o_fine_hp;
+  void* o_fine = own_fine_output(c, saves) ? carve<uint8_t>(cur, s.tiled_bf16) : a.o_fine_hp;
   void* fine_scratch = carve<uint8_t>(cur, fine_forward_scratch_bytes(c));
   const int H = c.heads, nc = c.tiling.num_cubes;
   const int cube_slots = c.tiling.blocks_per_cube * kBT;
@@ -1039,7 +1048,7 @@ void vsa_forward(const VsaConfig& c, const VsaForwardArgs& a, cudaStream_t strea
         c.top_p_mode && c.top_p < 1.0f, c.top_p);
     VQAD_CUDA_CHECK_LAUNCH("vsa coarse_forward_kernel");
   }
-  // 4. fine stage (o_fine: quantized-P path; o_fine_hp saved)
+  // 4. fine stage (o_fine: quantized-P path; o_fine_hp, m, l saved, or none of them)
   launch_fine_forward(c, a.tiled_q, a.tiled_k, a.tiled_v, a.sel_index, a.sel_count, o_fine, a.o_fine_hp, a.m, a.l,
                       fine_scratch, stream);
   // 5. out = bf16(out_c * gate + o_fine)
