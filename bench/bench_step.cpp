@@ -102,7 +102,8 @@ std::vector<StepConfig> configs_of(const StepBenchOptions& o) {
 // The backends whose CUDA forward has a form without O_hp for calls that record no graph:
 // ATTN_QAT_TRAIN and VSA_QAT_TRAIN_C64 / _C128.
 bool has_nograd_forward(const StepConfig& c) {
-  return c.attention == "ATTN_QAT_TRAIN" || c.attention == "VSA_QAT_TRAIN_C64" || c.attention == "VSA_QAT_TRAIN_C128";
+  const AttentionBackend b = parse_step_attention(c.attention);
+  return b == AttentionBackend::kAttnQatTrain || ops::vsa_quantized(b);
 }
 
 // --qat-full-nograd-forward: the QAT configurations again with the full forward (O_hp,

@@ -931,6 +931,19 @@ void launch_impl(const char* op, const AttnQatFwdParams& p, float scale_log2, co
   VQAD_CUDA_CHECK_LAUNCH("attn_qat_fwd_kernel");
 }
 
+// The kernel for the call's mode: P quantization with O_hp (a training call), P
+// quantization without it (null o_hp: a call that needs no gradient), or BF16 P.
+template <int D, class KV>
+void launch_mode(const char* op, const AttnQatFwdParams& p, float scale_log2, const AttnQatFwdVisit& visit,
+                 cudaStream_t stream) {
+  if (p.quant_p && p.o_hp.data != nullptr)
+    launch_impl<D, true, true, KV>(op, p, scale_log2, visit, stream);
+  else if (p.quant_p)
+    launch_impl<D, true, false, KV>(op, p, scale_log2, visit, stream);
+  else
+    launch_impl<D, false, false, KV>(op, p, scale_log2, visit, stream);
+}
+
 // Checks shared by both KV sources; returns scale * log2(e).
 float check_fwd_params(const char* op, const AttnQatFwdParams& p) {
   const auto shape = [&] { return shape_str(p); };
@@ -961,22 +974,10 @@ size_t attn_qat_fwd_workspace_bytes(const AttnQatFwdParams& p) {
 void launch_attn_qat_fwd(const AttnQatFwdParams& p, cudaStream_t stream) {
   const float scale_log2 = check_fwd_params(kOp, p);
   const AttnQatFwdVisit none{};
-  const bool hp = p.o_hp.data != nullptr;
-  if (p.head_dim == 64) {
-    if (p.quant_p && hp)
-      launch_impl<64, true, true, DenseKv>(kOp, p, scale_log2, none, stream);
-    else if (p.quant_p)
-      launch_impl<64, true, false, DenseKv>(kOp, p, scale_log2, none, stream);
-    else
-      launch_impl<64, false, false, DenseKv>(kOp, p, scale_log2, none, stream);
-  } else {
-    if (p.quant_p && hp)
-      launch_impl<128, true, true, DenseKv>(kOp, p, scale_log2, none, stream);
-    else if (p.quant_p)
-      launch_impl<128, true, false, DenseKv>(kOp, p, scale_log2, none, stream);
-    else
-      launch_impl<128, false, false, DenseKv>(kOp, p, scale_log2, none, stream);
-  }
+  if (p.head_dim == 64)
+    launch_mode<64, DenseKv>(kOp, p, scale_log2, none, stream);
+  else
+    launch_mode<128, DenseKv>(kOp, p, scale_log2, none, stream);
 }
 
 void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit& visit, cudaStream_t stream) {
@@ -989,12 +990,7 @@ void launch_attn_qat_fwd_visit(const AttnQatFwdParams& p, const AttnQatFwdVisit&
                     " 64-row blocks (what a visit entry holds), found len_kv ", p.len_kv);
   VQAD_LAUNCH_CHECK(p.head_dim == kAttnQatVisitHeadDim, kVisitOp, shape_str(p), "expected head dim ",
                     kAttnQatVisitHeadDim, " (the VSA fine stage), found ", p.head_dim);
-  if (p.quant_p && p.o_hp.data != nullptr)
-    launch_impl<kAttnQatVisitHeadDim, true, true, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
-  else if (p.quant_p)
-    launch_impl<kAttnQatVisitHeadDim, true, false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
-  else
-    launch_impl<kAttnQatVisitHeadDim, false, false, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
+  launch_mode<kAttnQatVisitHeadDim, VisitKv>(kVisitOp, p, scale_log2, visit, stream);
 }
 
 }  // namespace vqad::kernels::attention
